@@ -1,0 +1,190 @@
+//! Command-line and environment configuration. Every flag of `turnlock proxy` and
+//! `turnlock store` has an environment variable `TURNLOCK_<NAME>`; the defaults are here.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "turnlock",
+    version,
+    about = "Serializes AI-agent session-context writes: a sidecar proxy with lock, fence and idempotency."
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the sidecar proxy between an agent and its context store.
+    Proxy(ProxyArgs),
+    /// Run the reference context store (a plain JSON document store with ETags).
+    Store(StoreArgs),
+    /// Show lost updates without the sidecar and none with it, in one process.
+    Demo(DemoArgs),
+    /// Check a running proxy's readiness (for container health checks); exits 0 when ready.
+    Health(HealthArgs),
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct ProxyArgs {
+    /// Address the agent connects to.
+    #[arg(long, env = "TURNLOCK_LISTEN", default_value = "127.0.0.1:7070")]
+    pub listen: SocketAddr,
+    /// The context store's base URL.
+    #[arg(long, env = "TURNLOCK_UPSTREAM", default_value = "http://127.0.0.1:8080")]
+    pub upstream: String,
+    /// Redis URL (redis://… or redis+sentinel://host:port,…/primary). Without it, an in-memory
+    /// backend serializes only the writers inside this one process.
+    #[arg(long, env = "TURNLOCK_REDIS")]
+    pub redis: Option<String>,
+    /// Admin address: /metrics, /healthz, /readyz.
+    #[arg(long, env = "TURNLOCK_ADMIN", default_value = "127.0.0.1:9901")]
+    pub admin: SocketAddr,
+    /// How long a write may wait for its session's lock, in milliseconds.
+    #[arg(long, env = "TURNLOCK_LOCK_BUDGET_MS", default_value_t = 50)]
+    pub lock_budget_ms: u64,
+    /// Lock lease, in milliseconds; renewed while a slow write holds it.
+    #[arg(long, env = "TURNLOCK_LOCK_TTL_MS", default_value_t = 2000)]
+    pub lock_ttl_ms: u64,
+    /// Prefix of every Redis key turnlock writes.
+    #[arg(long, env = "TURNLOCK_KEY_PREFIX", default_value = "turnlock:")]
+    pub key_prefix: String,
+    /// Largest write body accepted, in bytes.
+    #[arg(long, env = "TURNLOCK_MAX_BODY_BYTES", default_value_t = 1024 * 1024)]
+    pub max_body_bytes: usize,
+    /// A TOML file mapping other stores' write endpoints (see the README).
+    #[arg(long, env = "TURNLOCK_ROUTES")]
+    pub routes: Option<String>,
+    /// Path prefix of the canonical session API.
+    #[arg(long, env = "TURNLOCK_SESSION_PREFIX", default_value = "/v1/sessions")]
+    pub session_prefix: String,
+    /// How long an idempotency record is kept, in seconds.
+    #[arg(long, env = "TURNLOCK_IDEMPOTENCY_TTL_SECS", default_value_t = 24 * 3600)]
+    pub idempotency_ttl_secs: u64,
+    /// How long a version snapshot for three-way merges is kept, in seconds.
+    #[arg(long, env = "TURNLOCK_HISTORY_TTL_SECS", default_value_t = 600)]
+    pub history_ttl_secs: u64,
+    /// How long the store may take to answer, in milliseconds.
+    #[arg(long, env = "TURNLOCK_UPSTREAM_TIMEOUT_MS", default_value_t = 5000)]
+    pub upstream_timeout_ms: u64,
+    /// How long one Redis command may take before the connection is treated as broken.
+    #[arg(long, env = "TURNLOCK_REDIS_TIMEOUT_MS", default_value_t = 500)]
+    pub redis_timeout_ms: u64,
+    /// Most writes merged into one read-merge-write.
+    #[arg(long, env = "TURNLOCK_MAX_BATCH", default_value_t = 128)]
+    pub max_batch: usize,
+    /// How long in-flight writes may take to finish at shutdown, in milliseconds.
+    #[arg(long, env = "TURNLOCK_SHUTDOWN_GRACE_MS", default_value_t = 10_000)]
+    pub shutdown_grace_ms: u64,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct StoreArgs {
+    #[arg(long, env = "TURNLOCK_LISTEN", default_value = "127.0.0.1:8080")]
+    pub listen: SocketAddr,
+    /// Keep documents in Redis instead of memory.
+    #[arg(long, env = "TURNLOCK_REDIS")]
+    pub redis: Option<String>,
+    #[arg(long, env = "TURNLOCK_KEY_PREFIX", default_value = "turnlock-store:")]
+    pub key_prefix: String,
+    #[arg(long, env = "TURNLOCK_MAX_BODY_BYTES", default_value_t = 8 * 1024 * 1024)]
+    pub max_body_bytes: usize,
+    /// Behave like a store without conditional writes: no ETag, If-Match ignored.
+    #[arg(long, env = "TURNLOCK_NO_ETAGS")]
+    pub no_etags: bool,
+    #[arg(long, env = "TURNLOCK_SHUTDOWN_GRACE_MS", default_value_t = 5_000)]
+    pub shutdown_grace_ms: u64,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct DemoArgs {
+    /// Simulated agent replicas writing at once.
+    #[arg(long, default_value_t = 8)]
+    pub replicas: usize,
+    /// Sessions they share.
+    #[arg(long, default_value_t = 4)]
+    pub sessions: usize,
+    /// Turns each replica writes per session.
+    #[arg(long, default_value_t = 25)]
+    pub writes: usize,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct HealthArgs {
+    /// The admin address to ask.
+    #[arg(long, env = "TURNLOCK_ADMIN", default_value = "127.0.0.1:9901")]
+    pub admin: SocketAddr,
+}
+
+/// Bad configuration: reported with a clear message and exit code 64 (EX_USAGE).
+#[derive(Debug, thiserror::Error)]
+#[error("configuration error: {0}")]
+pub struct ConfigError(pub String);
+
+impl ProxyArgs {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let err = |m: &str| Err(ConfigError(m.to_owned()));
+        if self.lock_budget_ms == 0 {
+            return err("--lock-budget-ms must be at least 1");
+        }
+        if self.lock_ttl_ms < 10 {
+            return err("--lock-ttl-ms must be at least 10");
+        }
+        if self.lock_ttl_ms <= self.lock_budget_ms {
+            return err("--lock-ttl-ms must be longer than --lock-budget-ms");
+        }
+        if self.max_body_bytes == 0 || self.max_batch == 0 {
+            return err("--max-body-bytes and --max-batch must be positive");
+        }
+        if !self.session_prefix.starts_with('/') {
+            return err("--session-prefix must start with '/'");
+        }
+        if self.key_prefix.contains(['*', '?', '[', ']']) {
+            return err("--key-prefix may not contain Redis glob characters");
+        }
+        Ok(())
+    }
+
+    pub fn lease(&self) -> Duration {
+        Duration::from_millis(self.lock_ttl_ms)
+    }
+
+    /// Defaults for an in-process proxy (tests, demo, benchmarks).
+    pub fn local(upstream: String) -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            upstream,
+            redis: None,
+            admin: SocketAddr::from(([127, 0, 0, 1], 0)),
+            lock_budget_ms: 50,
+            lock_ttl_ms: 2000,
+            key_prefix: "turnlock:".into(),
+            max_body_bytes: 1024 * 1024,
+            routes: None,
+            session_prefix: "/v1/sessions".into(),
+            idempotency_ttl_secs: 24 * 3600,
+            history_ttl_secs: 600,
+            upstream_timeout_ms: 5000,
+            redis_timeout_ms: 500,
+            max_batch: 128,
+            shutdown_grace_ms: 10_000,
+        }
+    }
+}
+
+impl StoreArgs {
+    pub fn local() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            redis: None,
+            key_prefix: "turnlock-store:".into(),
+            max_body_bytes: 8 * 1024 * 1024,
+            no_etags: false,
+            shutdown_grace_ms: 5_000,
+        }
+    }
+}

@@ -1,0 +1,38 @@
+//! turnlock: a per-pod sidecar that makes AI-agent session-context writes safe when several
+//! replicas serve the same session.
+//!
+//! Map of the crate:
+//! - [`session`]: session ids, turns, the stale rule and the Redis keys (pure).
+//! - [`merge`]: how each kind of write changes a session document (pure).
+//! - [`routes`]: which requests are writes and how each is handled.
+//! - [`lock`]: the session lock (Redis or in-memory): grant, fencing token, renewal, release,
+//!   and the version fence for stores without ETags.
+//! - [`records`]: expiring records (idempotency results, version snapshots).
+//! - [`upstream`]: the HTTP client to the context store.
+//! - [`proxy`]: the agent-facing service: request parsing, the write pipeline with
+//!   coalescing, and pass-through forwarding.
+//! - [`admin`]: `/metrics`, `/healthz`, `/readyz`.
+//! - [`sidecar`]: assembling and running the proxy, with graceful shutdown.
+//! - [`store`]: the reference context store.
+//! - [`demo`]: lost updates without turnlock, none with it.
+//! - [`config`], [`server`], [`http`], [`metrics`], [`redis_conn`], [`client`],
+//!   [`telemetry`]: the plumbing.
+
+pub mod admin;
+pub mod client;
+pub mod config;
+pub mod demo;
+pub mod http;
+pub mod lock;
+pub mod merge;
+pub mod metrics;
+pub mod proxy;
+pub mod records;
+pub mod redis_conn;
+pub mod routes;
+pub mod server;
+pub mod session;
+pub mod sidecar;
+pub mod store;
+pub mod telemetry;
+pub mod upstream;

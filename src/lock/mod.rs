@@ -1,0 +1,405 @@
+//! The session lock: grant with a fencing token, lease renewal, release, and the version
+//! fence for stores without ETags.
+//!
+//! Two backends with the same semantics: Redis (shared by every proxy replica) and in-memory
+//! (serializes only the writers inside one process). The waiting loop is shared: a waiter is
+//! woken when the holder releases, falls back to jittered exponential backoff, and never waits
+//! past its deadline.
+
+mod memory;
+mod redis;
+
+pub use self::memory::MemoryLocks;
+pub use self::redis::RedisLocks;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use dashmap::DashMap;
+use tokio::time::Instant;
+
+use crate::metrics::Metrics;
+
+/// Shortest and longest pause between two attempts when no release wakes the waiter.
+const BACKOFF_MIN: Duration = Duration::from_micros(500);
+const BACKOFF_MAX: Duration = Duration::from_millis(16);
+
+#[derive(Debug, thiserror::Error)]
+pub enum LockError {
+    #[error("lock not obtained within {0:?}")]
+    Busy(Duration),
+    #[error("lock backend unavailable: {0}")]
+    Backend(String),
+}
+
+/// What one attempt to take a lock found.
+#[derive(Debug)]
+pub(crate) enum Attempt {
+    Granted { fence: u64 },
+    Held { remaining: Duration },
+}
+
+/// The outcome of a version reservation (see `fence_reserve.lua`).
+#[derive(Debug, PartialEq, Eq)]
+pub enum Reservation {
+    Reserved,
+    LeaseLost,
+    NewerCommitted,
+    InFlight,
+}
+
+#[derive(Clone)]
+pub enum Locks {
+    Memory(Arc<MemoryLocks>),
+    Redis(Arc<RedisLocks>),
+}
+
+/// Settings shared by both backends.
+#[derive(Clone, Debug)]
+pub struct LockSettings {
+    pub lease: Duration,
+}
+
+/// A granted lock. Renewed in the background while held; [`Lease::check`] says whether it can
+/// still be trusted, and [`Lease::release`] gives it back. Dropping an unreleased lease
+/// releases it in the background.
+pub struct Lease {
+    locks: Locks,
+    key: String,
+    token: String,
+    fence: u64,
+    acquired: Instant,
+    state: Arc<LeaseState>,
+    renewal: Option<tokio::task::JoinHandle<()>>,
+    released: bool,
+}
+
+struct LeaseState {
+    lost: AtomicBool,
+    /// Conservative local expiry: measured from before each grant or renewal was sent.
+    expires: std::sync::Mutex<Instant>,
+}
+
+// === impl Locks ===
+
+impl Locks {
+    pub fn settings(&self) -> &LockSettings {
+        match self {
+            Locks::Memory(m) => &m.settings,
+            Locks::Redis(r) => &r.settings,
+        }
+    }
+
+    /// Takes `key`, waiting until `deadline` at the most.
+    pub async fn acquire(
+        &self,
+        key: &str,
+        fence_key: &str,
+        deadline: Instant,
+        metrics: &Metrics,
+    ) -> Result<Lease, LockError> {
+        let started = Instant::now();
+        let token = format!("{:032x}", rand::random::<u128>());
+        let mut backoff = BACKOFF_MIN;
+        let result = loop {
+            // Register interest before the attempt, so a release between the attempt and the
+            // wait is not missed.
+            let wake = self.watch(key);
+            let sent = Instant::now();
+            match self.try_acquire(key, fence_key, &token).await {
+                Ok(Attempt::Granted { fence }) => {
+                    break Ok(self.lease(key, token, fence, sent));
+                }
+                Ok(Attempt::Held { remaining }) => {
+                    let now = Instant::now();
+                    if now >= deadline {
+                        break Err(LockError::Busy(now - started));
+                    }
+                    let pause = jitter(backoff).min(remaining).min(deadline - now);
+                    wake.wait(pause.max(Duration::from_micros(100))).await;
+                    backoff = (backoff * 2).min(BACKOFF_MAX);
+                }
+                Err(e) => break Err(e),
+            }
+        };
+        let outcome = match &result {
+            Ok(_) => "acquired",
+            Err(LockError::Busy(_)) => "busy",
+            Err(LockError::Backend(_)) => "error",
+        };
+        metrics.lock_acquired(outcome, started.elapsed());
+        result
+    }
+
+    async fn try_acquire(&self, key: &str, fence_key: &str, token: &str) -> Result<Attempt, LockError> {
+        match self {
+            Locks::Memory(m) => Ok(m.try_acquire(key, fence_key, token)),
+            Locks::Redis(r) => r.try_acquire(key, fence_key, token).await,
+        }
+    }
+
+    fn watch(&self, key: &str) -> Wake {
+        match self {
+            Locks::Memory(m) => m.watch(key),
+            Locks::Redis(r) => r.watch(key),
+        }
+    }
+
+    async fn renew(&self, key: &str, token: &str) -> Result<bool, LockError> {
+        match self {
+            Locks::Memory(m) => Ok(m.renew(key, token)),
+            Locks::Redis(r) => r.renew(key, token).await,
+        }
+    }
+
+    async fn release_key(&self, key: &str, token: &str) -> Result<bool, LockError> {
+        match self {
+            Locks::Memory(m) => Ok(m.release(key, token)),
+            Locks::Redis(r) => r.release(key, token).await,
+        }
+    }
+
+    /// Reserves the next version for a store without ETags (see `fence_reserve.lua`).
+    pub async fn reserve_version(
+        &self,
+        lease: &Lease,
+        version_key: &str,
+        pending_key: &str,
+        read_version: u64,
+    ) -> Result<Reservation, LockError> {
+        match self {
+            Locks::Memory(m) => Ok(m.reserve_version(&lease.key, &lease.token, version_key, pending_key, read_version)),
+            Locks::Redis(r) => {
+                r.reserve_version(&lease.key, &lease.token, version_key, pending_key, read_version)
+                    .await
+            }
+        }
+    }
+
+    /// Records the outcome of a reserved write: `stored` is the version now in the store, or
+    /// `None` when the write did not land.
+    pub async fn settle_version(
+        &self,
+        lease: &Lease,
+        version_key: &str,
+        pending_key: &str,
+        stored: Option<u64>,
+    ) -> Result<(), LockError> {
+        match self {
+            Locks::Memory(m) => {
+                m.settle_version(&lease.token, version_key, pending_key, stored);
+                Ok(())
+            }
+            Locks::Redis(r) => r.settle_version(&lease.token, version_key, pending_key, stored).await,
+        }
+    }
+
+    /// The highest turn accepted for a session served in serialize mode.
+    pub async fn turn_mark(&self, mark_key: &str) -> Result<u64, LockError> {
+        match self {
+            Locks::Memory(m) => Ok(m.turn_mark(mark_key)),
+            Locks::Redis(r) => r.turn_mark(mark_key).await,
+        }
+    }
+
+    pub async fn raise_turn_mark(&self, mark_key: &str, turn: u64) -> Result<(), LockError> {
+        match self {
+            Locks::Memory(m) => {
+                m.raise_turn_mark(mark_key, turn);
+                Ok(())
+            }
+            Locks::Redis(r) => r.raise_turn_mark(mark_key, turn).await,
+        }
+    }
+
+    /// Answers whether the backend is reachable.
+    pub async fn ping(&self) -> Result<(), LockError> {
+        match self {
+            Locks::Memory(_) => Ok(()),
+            Locks::Redis(r) => r.ping().await,
+        }
+    }
+
+    fn held(&self) -> &DashMap<String, String> {
+        match self {
+            Locks::Memory(m) => &m.held,
+            Locks::Redis(r) => &r.held,
+        }
+    }
+
+    /// Releases every lock this process still holds (at shutdown, after the grace period).
+    pub async fn release_all(&self) -> usize {
+        let held: Vec<(String, String)> = self
+            .held()
+            .iter()
+            .map(|e| (e.key().clone(), e.value().clone()))
+            .collect();
+        let mut released = 0;
+        for (key, token) in held {
+            if let Ok(true) = self.release_key(&key, &token).await {
+                released += 1;
+            }
+            self.held().remove(&key);
+        }
+        released
+    }
+
+    fn lease(&self, key: &str, token: String, fence: u64, sent: Instant) -> Lease {
+        let lease_len = self.settings().lease;
+        let state = Arc::new(LeaseState {
+            lost: AtomicBool::new(false),
+            expires: std::sync::Mutex::new(sent + safe_lease(lease_len)),
+        });
+        self.held().insert(key.to_owned(), token.clone());
+        let renewal = tokio::spawn(renew_loop(
+            self.clone(),
+            key.to_owned(),
+            token.clone(),
+            lease_len,
+            state.clone(),
+        ));
+        Lease {
+            locks: self.clone(),
+            key: key.to_owned(),
+            token,
+            fence,
+            acquired: Instant::now(),
+            state,
+            renewal: Some(renewal),
+            released: false,
+        }
+    }
+}
+
+/// The part of a lease trusted locally: a margin for clock drift and the renewal round trip.
+fn safe_lease(lease: Duration) -> Duration {
+    lease.saturating_sub(lease / 10 + Duration::from_millis(2))
+}
+
+async fn renew_loop(locks: Locks, key: String, token: String, lease: Duration, state: Arc<LeaseState>) {
+    let period = (lease / 3).max(Duration::from_millis(1));
+    loop {
+        tokio::time::sleep(period).await;
+        let sent = Instant::now();
+        let result = locks.renew(&key, &token).await;
+        if let Locks::Redis(r) = &locks {
+            r.metrics.lock_renewed(matches!(result, Ok(true)));
+        } else if let Locks::Memory(m) = &locks {
+            m.metrics.lock_renewed(matches!(result, Ok(true)));
+        }
+        match result {
+            Ok(true) => {
+                if let Ok(mut expires) = state.expires.lock() {
+                    *expires = sent + safe_lease(lease);
+                }
+            }
+            Ok(false) => {
+                tracing::warn!(%key, "lease lost: the lock is no longer held by this writer");
+                state.lost.store(true, Ordering::SeqCst);
+                return;
+            }
+            Err(error) => {
+                tracing::warn!(%key, %error, "lease renewal failed; treating the lease as lost");
+                state.lost.store(true, Ordering::SeqCst);
+                return;
+            }
+        }
+    }
+}
+
+// === impl Lease ===
+
+impl Lease {
+    pub fn fence(&self) -> u64 {
+        self.fence
+    }
+
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// Whether the lease can still be trusted: not reported lost, and not past its local
+    /// expiry. A writer checks this right before it writes.
+    pub fn check(&self) -> bool {
+        if self.state.lost.load(Ordering::SeqCst) {
+            return false;
+        }
+        match self.state.expires.lock() {
+            Ok(expires) => Instant::now() < *expires,
+            Err(_) => false,
+        }
+    }
+
+    /// Gives the lock back; returns whether it was still held by this writer.
+    pub async fn release(mut self, metrics: &Metrics) -> bool {
+        self.released = true;
+        if let Some(r) = self.renewal.take() {
+            r.abort();
+        }
+        metrics.lock_held(self.acquired.elapsed());
+        let result = self.locks.release_key(&self.key, &self.token).await;
+        self.locks.held().remove(&self.key);
+        match result {
+            Ok(held) => held,
+            Err(error) => {
+                tracing::warn!(key = %self.key, %error, "lock release failed; it expires with its lease");
+                false
+            }
+        }
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        if let Some(r) = self.renewal.take() {
+            r.abort();
+        }
+        if !self.released {
+            let locks = self.locks.clone();
+            let key = std::mem::take(&mut self.key);
+            let token = std::mem::take(&mut self.token);
+            if let Ok(handle) = tokio::runtime::Handle::try_current() {
+                handle.spawn(async move {
+                    let _ = locks.release_key(&key, &token).await;
+                    locks.held().remove(&key);
+                });
+            }
+        }
+    }
+}
+
+/// A waiter's subscription to one lock's release.
+pub(crate) struct Wake {
+    notify: Option<Arc<tokio::sync::Notify>>,
+    _guard: Option<Box<dyn Send + Sync>>,
+}
+
+impl Wake {
+    pub(crate) fn new(notify: Arc<tokio::sync::Notify>, guard: Option<Box<dyn Send + Sync>>) -> Self {
+        Self {
+            notify: Some(notify),
+            _guard: guard,
+        }
+    }
+
+    /// Waits for a release, or `pause` at the most.
+    async fn wait(self, pause: Duration) {
+        match &self.notify {
+            Some(n) => {
+                let _ = tokio::time::timeout(pause, n.notified()).await;
+            }
+            None => tokio::time::sleep(pause).await,
+        }
+    }
+}
+
+fn jitter(d: Duration) -> Duration {
+    let nanos = d.as_nanos() as u64;
+    Duration::from_nanos(nanos / 2 + rand::random::<u64>() % (nanos / 2 + 1))
+}
+
+/// How often the in-memory backend drops expired entries.
+pub fn memory_sweep_every() -> Duration {
+    memory::SWEEP_EVERY
+}

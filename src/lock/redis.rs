@@ -1,0 +1,324 @@
+//! The Redis lock backend: `SET NX PX` with a random owner token and a fencing counter in one
+//! script, compare-and-delete release that announces itself on a channel, and waiters woken by
+//! that announcement through one shared pub/sub connection.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use dashmap::DashMap;
+use futures_util::StreamExt;
+use redis::aio::PubSubSink;
+use redis::Script;
+use tokio::sync::{mpsc, Notify};
+
+use super::{Attempt, LockError, LockSettings, Reservation, Wake};
+use crate::metrics::Metrics;
+use crate::redis_conn::RedisConn;
+use crate::session::Keys;
+
+/// How long a fencing counter outlives the last grant of its session.
+const FENCE_COUNTER_TTL: Duration = Duration::from_secs(7 * 24 * 3600);
+
+struct Scripts {
+    acquire: Script,
+    release: Script,
+    renew: Script,
+    reserve: Script,
+    settle: Script,
+    turn_mark: Script,
+}
+
+pub struct RedisLocks {
+    pub(super) settings: LockSettings,
+    pub(super) metrics: Metrics,
+    pub(super) held: DashMap<String, String>,
+    conn: RedisConn,
+    keys: Keys,
+    scripts: Scripts,
+    watchers: Arc<DashMap<String, Arc<Watcher>>>,
+    subscriptions: mpsc::UnboundedSender<Subscription>,
+}
+
+struct Watcher {
+    notify: Arc<Notify>,
+    waiters: AtomicUsize,
+}
+
+enum Subscription {
+    Subscribe(String),
+    Unsubscribe(String),
+}
+
+impl RedisLocks {
+    pub fn new(conn: RedisConn, keys: Keys, settings: LockSettings, metrics: Metrics) -> Self {
+        let watchers: Arc<DashMap<String, Arc<Watcher>>> = Arc::new(DashMap::new());
+        let (tx, rx) = mpsc::unbounded_channel();
+        tokio::spawn(pubsub_loop(conn.clone(), watchers.clone(), rx));
+        Self {
+            settings,
+            metrics,
+            held: DashMap::new(),
+            conn,
+            keys,
+            scripts: Scripts {
+                acquire: Script::new(include_str!("scripts/acquire.lua")),
+                release: Script::new(include_str!("scripts/release.lua")),
+                renew: Script::new(include_str!("scripts/renew.lua")),
+                reserve: Script::new(include_str!("scripts/fence_reserve.lua")),
+                settle: Script::new(include_str!("scripts/fence_settle.lua")),
+                turn_mark: Script::new(include_str!("scripts/turn_mark.lua")),
+            },
+            watchers,
+            subscriptions: tx,
+        }
+    }
+
+    pub fn conn(&self) -> &RedisConn {
+        &self.conn
+    }
+
+    pub(super) async fn try_acquire(&self, key: &str, fence_key: &str, token: &str) -> Result<Attempt, LockError> {
+        let lease_ms = self.settings.lease.as_millis() as u64;
+        let script = &self.scripts.acquire;
+        let reply: (i64, i64) = self
+            .conn
+            .run(|mut c| async move {
+                script
+                    .key(key)
+                    .key(fence_key)
+                    .arg(token)
+                    .arg(lease_ms)
+                    .arg(FENCE_COUNTER_TTL.as_millis() as u64)
+                    .invoke_async(&mut c)
+                    .await
+            })
+            .await
+            .map_err(backend)?;
+        Ok(match reply {
+            (1, fence) => Attempt::Granted {
+                fence: fence.max(0) as u64,
+            },
+            (_, pttl) => Attempt::Held {
+                remaining: Duration::from_millis(pttl.max(1) as u64),
+            },
+        })
+    }
+
+    pub(super) fn watch(&self, key: &str) -> Wake {
+        let channel = self.keys.released(key);
+        let watcher = self
+            .watchers
+            .entry(channel.clone())
+            .or_insert_with(|| {
+                let _ = self.subscriptions.send(Subscription::Subscribe(channel.clone()));
+                Arc::new(Watcher {
+                    notify: Arc::new(Notify::new()),
+                    waiters: AtomicUsize::new(0),
+                })
+            })
+            .clone();
+        watcher.waiters.fetch_add(1, Ordering::SeqCst);
+        let guard = WatchGuard {
+            channel,
+            watcher: watcher.clone(),
+            watchers: self.watchers.clone(),
+            subscriptions: self.subscriptions.clone(),
+        };
+        Wake::new(watcher.notify.clone(), Some(Box::new(guard)))
+    }
+
+    pub(super) async fn renew(&self, key: &str, token: &str) -> Result<bool, LockError> {
+        let lease_ms = self.settings.lease.as_millis() as u64;
+        let script = &self.scripts.renew;
+        let held: i64 = self
+            .conn
+            .run(|mut c| async move { script.key(key).arg(token).arg(lease_ms).invoke_async(&mut c).await })
+            .await
+            .map_err(backend)?;
+        Ok(held == 1)
+    }
+
+    pub(super) async fn release(&self, key: &str, token: &str) -> Result<bool, LockError> {
+        let channel = self.keys.released(key);
+        let script = &self.scripts.release;
+        let released: i64 = self
+            .conn
+            .run(|mut c| async move { script.key(key).arg(token).arg(&channel).invoke_async(&mut c).await })
+            .await
+            .map_err(backend)?;
+        Ok(released == 1)
+    }
+
+    pub(super) async fn reserve_version(
+        &self,
+        lock_key: &str,
+        token: &str,
+        version_key: &str,
+        pending_key: &str,
+        read_version: u64,
+    ) -> Result<Reservation, LockError> {
+        let lease_ms = self.settings.lease.as_millis() as u64;
+        let script = &self.scripts.reserve;
+        let reply: i64 = self
+            .conn
+            .run(|mut c| async move {
+                script
+                    .key(lock_key)
+                    .key(version_key)
+                    .key(pending_key)
+                    .arg(token)
+                    .arg(read_version)
+                    .arg(lease_ms)
+                    .invoke_async(&mut c)
+                    .await
+            })
+            .await
+            .map_err(backend)?;
+        Ok(match reply {
+            1 => Reservation::Reserved,
+            0 => Reservation::LeaseLost,
+            -1 => Reservation::NewerCommitted,
+            _ => Reservation::InFlight,
+        })
+    }
+
+    pub(super) async fn settle_version(
+        &self,
+        token: &str,
+        version_key: &str,
+        pending_key: &str,
+        stored: Option<u64>,
+    ) -> Result<(), LockError> {
+        let script = &self.scripts.settle;
+        let _: i64 = self
+            .conn
+            .run(|mut c| async move {
+                script
+                    .key(version_key)
+                    .key(pending_key)
+                    .arg(token)
+                    .arg(stored.unwrap_or(0))
+                    .invoke_async(&mut c)
+                    .await
+            })
+            .await
+            .map_err(backend)?;
+        Ok(())
+    }
+
+    pub(super) async fn turn_mark(&self, key: &str) -> Result<u64, LockError> {
+        let mark: Option<u64> = self
+            .conn
+            .run(|mut c| async move { redis::cmd("GET").arg(key).query_async(&mut c).await })
+            .await
+            .map_err(backend)?;
+        Ok(mark.unwrap_or(0))
+    }
+
+    pub(super) async fn raise_turn_mark(&self, key: &str, turn: u64) -> Result<(), LockError> {
+        let script = &self.scripts.turn_mark;
+        let _: i64 = self
+            .conn
+            .run(|mut c| async move { script.key(key).arg(turn).invoke_async(&mut c).await })
+            .await
+            .map_err(backend)?;
+        Ok(())
+    }
+
+    pub(super) async fn ping(&self) -> Result<(), LockError> {
+        let _: String = self
+            .conn
+            .run(|mut c| async move { redis::cmd("PING").query_async(&mut c).await })
+            .await
+            .map_err(backend)?;
+        Ok(())
+    }
+}
+
+fn backend(e: redis::RedisError) -> LockError {
+    LockError::Backend(e.to_string())
+}
+
+/// Keeps a channel subscribed while at least one waiter watches it.
+struct WatchGuard {
+    channel: String,
+    watcher: Arc<Watcher>,
+    watchers: Arc<DashMap<String, Arc<Watcher>>>,
+    subscriptions: mpsc::UnboundedSender<Subscription>,
+}
+
+impl Drop for WatchGuard {
+    fn drop(&mut self) {
+        if self.watcher.waiters.fetch_sub(1, Ordering::SeqCst) == 1 {
+            let removed = self
+                .watchers
+                .remove_if(&self.channel, |_, w| w.waiters.load(Ordering::SeqCst) == 0)
+                .is_some();
+            if removed {
+                let _ = self
+                    .subscriptions
+                    .send(Subscription::Unsubscribe(std::mem::take(&mut self.channel)));
+            }
+        }
+    }
+}
+
+/// Owns the pub/sub connection: applies subscription changes and wakes watchers on each
+/// release. When Redis is unreachable it retries with a pause; waiters meanwhile fall back to
+/// polling, so a lost connection only costs latency, never correctness.
+async fn pubsub_loop(
+    conn: RedisConn,
+    watchers: Arc<DashMap<String, Arc<Watcher>>>,
+    mut rx: mpsc::UnboundedReceiver<Subscription>,
+) {
+    loop {
+        let pubsub = match conn.client().await {
+            Ok(client) => client.get_async_pubsub().await,
+            Err(e) => Err(e),
+        };
+        let (mut sink, mut stream): (PubSubSink, _) = match pubsub {
+            Ok(p) => p.split(),
+            Err(error) => {
+                tracing::debug!(%error, "lock release channel unavailable; waiters poll");
+                // Drain requests meanwhile: the watchers map is the source of truth and is
+                // resubscribed in full on reconnect.
+                let pause = tokio::time::sleep(Duration::from_millis(500));
+                tokio::pin!(pause);
+                loop {
+                    tokio::select! {
+                        _ = &mut pause => break,
+                        msg = rx.recv() => if msg.is_none() { return },
+                    }
+                }
+                continue;
+            }
+        };
+        let channels: Vec<String> = watchers.iter().map(|e| e.key().clone()).collect();
+        if !channels.is_empty() && sink.subscribe(&channels).await.is_err() {
+            continue;
+        }
+        loop {
+            tokio::select! {
+                msg = stream.next() => match msg {
+                    Some(msg) => {
+                        if let Some(w) = watchers.get(msg.get_channel_name()) {
+                            w.notify.notify_one();
+                        }
+                    }
+                    None => break,
+                },
+                req = rx.recv() => {
+                    let result = match req {
+                        Some(Subscription::Subscribe(ch)) => sink.subscribe(&ch).await,
+                        Some(Subscription::Unsubscribe(ch)) => sink.unsubscribe(&ch).await,
+                        None => return,
+                    };
+                    if result.is_err() {
+                        break;
+                    }
+                }
+            }
+        }
+    }
+}

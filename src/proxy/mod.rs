@@ -1,0 +1,108 @@
+//! The agent-facing proxy: configured writes go through the write pipeline, everything else
+//! is forwarded to the store unchanged.
+
+mod answer;
+mod pipeline;
+mod request;
+
+pub use self::pipeline::{Pipeline, Settings as PipelineSettings};
+pub use self::request::{CONTEXT_REPLACE, IDEMPOTENCY_KEY, SESSION_TURN};
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use http::header::{self, HeaderValue};
+use http::{Request, Response, StatusCode};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+
+use crate::http::{error, Body};
+use crate::metrics::Metrics;
+use crate::routes::Routes;
+use crate::upstream::Upstream;
+
+#[derive(Clone)]
+pub struct Proxy {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    routes: Routes,
+    upstream: Upstream,
+    pipeline: Pipeline,
+    metrics: Metrics,
+    max_body: usize,
+}
+
+impl Proxy {
+    pub fn new(routes: Routes, upstream: Upstream, pipeline: Pipeline, metrics: Metrics, max_body: usize) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                routes,
+                upstream,
+                pipeline,
+                metrics,
+                max_body,
+            }),
+        }
+    }
+
+    pub fn pipeline(&self) -> &Pipeline {
+        &self.inner.pipeline
+    }
+
+    /// Serves one request from the agent at `peer`.
+    pub async fn handle(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
+        let inner = &self.inner;
+        let path = req.uri().path().to_owned();
+        let (route_name, res) = match inner.routes.find(req.method(), &path) {
+            Some((route, session)) => {
+                let (parts, body) = req.into_parts();
+                let res = match request::parse(route, session, &parts, body, inner.max_body).await {
+                    Ok(write) => inner.pipeline.submit(write).await.into_response(),
+                    Err(refusal) => refusal.into_response(),
+                };
+                (route.name, res)
+            }
+            None => ("forward", self.forward(req, peer).await),
+        };
+        inner.metrics.request(route_name, res.status().as_u16());
+        res
+    }
+
+    /// Forwards a request as is (streaming both ways), minus hop-by-hop headers, plus
+    /// `X-Forwarded-For`.
+    async fn forward(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
+        let upstream = &self.inner.upstream;
+        let (mut parts, body) = req.into_parts();
+        let pq = parts.uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
+        parts.uri = match upstream.uri(pq) {
+            Ok(u) => u,
+            Err(e) => return error(StatusCode::BAD_REQUEST, "invalid_path", e, None),
+        };
+        crate::http::strip_hop_by_hop(&mut parts.headers);
+        parts.headers.remove(header::HOST);
+        append_forwarded_for(&mut parts.headers, peer);
+        parts.version = http::Version::HTTP_11;
+        let req = Request::from_parts(parts, body.map_err(Into::into).boxed());
+        match upstream.send(req).await {
+            Ok(res) => {
+                let (mut parts, body) = res.into_parts();
+                crate::http::strip_hop_by_hop(&mut parts.headers);
+                Response::from_parts(parts, body.map_err(Into::into).boxed())
+            }
+            Err(e) => error(e.status(), e.code(), e, None),
+        }
+    }
+}
+
+fn append_forwarded_for(headers: &mut http::HeaderMap, peer: SocketAddr) {
+    let ip = peer.ip().to_string();
+    let value = match headers.get("x-forwarded-for").and_then(|v| v.to_str().ok()) {
+        Some(prior) if !prior.is_empty() => format!("{prior}, {ip}"),
+        _ => ip,
+    };
+    if let Ok(v) = HeaderValue::from_str(&value) {
+        headers.insert("x-forwarded-for", v);
+    }
+}

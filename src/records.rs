@@ -1,0 +1,126 @@
+//! Small expiring records: idempotency results and the version snapshots that three-way
+//! merges need. In Redis when configured (shared by every replica), else in memory.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use dashmap::DashMap;
+use tokio::time::Instant;
+
+use crate::redis_conn::RedisConn;
+
+#[derive(Debug, thiserror::Error)]
+#[error("record store unavailable: {0}")]
+pub struct RecordError(String);
+
+#[derive(Clone)]
+pub enum Records {
+    Memory(Arc<DashMap<String, (Bytes, Instant)>>),
+    Redis(RedisConn),
+}
+
+impl Records {
+    pub fn memory() -> Self {
+        Records::Memory(Arc::new(DashMap::new()))
+    }
+
+    pub async fn get(&self, key: &str) -> Result<Option<Bytes>, RecordError> {
+        match self {
+            Records::Memory(map) => Ok(map.get(key).filter(|e| e.1 > Instant::now()).map(|e| e.0.clone())),
+            Records::Redis(conn) => {
+                let v: Option<Vec<u8>> = conn
+                    .run(|mut c| async move { redis::cmd("GET").arg(key).query_async(&mut c).await })
+                    .await
+                    .map_err(err)?;
+                Ok(v.map(Bytes::from))
+            }
+        }
+    }
+
+    /// Stores `value` only if `key` is absent; returns whether it was stored.
+    pub async fn put_new(&self, key: &str, value: Bytes, ttl: Duration) -> Result<bool, RecordError> {
+        match self {
+            Records::Memory(map) => {
+                let now = Instant::now();
+                let mut entry = map.entry(key.to_owned()).or_insert((Bytes::new(), now));
+                if entry.1 > now {
+                    return Ok(false);
+                }
+                *entry = (value, now + ttl);
+                Ok(true)
+            }
+            Records::Redis(conn) => {
+                let ok: Option<String> = conn
+                    .run(|mut c| async move {
+                        redis::cmd("SET")
+                            .arg(key)
+                            .arg(value.as_ref())
+                            .arg("NX")
+                            .arg("PX")
+                            .arg(ttl.as_millis() as u64)
+                            .query_async(&mut c)
+                            .await
+                    })
+                    .await
+                    .map_err(err)?;
+                Ok(ok.is_some())
+            }
+        }
+    }
+
+    /// Stores several records in one round trip.
+    pub async fn put_many(&self, items: Vec<(String, Bytes)>, ttl: Duration) -> Result<(), RecordError> {
+        if items.is_empty() {
+            return Ok(());
+        }
+        match self {
+            Records::Memory(map) => {
+                let expires = Instant::now() + ttl;
+                for (k, v) in items {
+                    map.insert(k, (v, expires));
+                }
+                Ok(())
+            }
+            Records::Redis(conn) => {
+                let mut pipe = redis::pipe();
+                for (k, v) in &items {
+                    pipe.cmd("SET")
+                        .arg(k)
+                        .arg(v.as_ref())
+                        .arg("PX")
+                        .arg(ttl.as_millis() as u64)
+                        .ignore();
+                }
+                conn.run(|mut c| async move { pipe.query_async::<()>(&mut c).await })
+                    .await
+                    .map_err(err)
+            }
+        }
+    }
+
+    pub async fn delete(&self, key: &str) -> Result<(), RecordError> {
+        match self {
+            Records::Memory(map) => {
+                map.remove(key);
+                Ok(())
+            }
+            Records::Redis(conn) => conn
+                .run(|mut c| async move { redis::cmd("DEL").arg(key).query_async::<()>(&mut c).await })
+                .await
+                .map_err(err),
+        }
+    }
+
+    /// Drops expired in-memory records (called periodically).
+    pub fn sweep(&self) {
+        if let Records::Memory(map) = self {
+            let now = Instant::now();
+            map.retain(|_, (_, exp)| *exp > now);
+        }
+    }
+}
+
+fn err(e: redis::RedisError) -> RecordError {
+    RecordError(e.to_string())
+}

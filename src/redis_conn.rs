@@ -1,0 +1,171 @@
+//! One shared Redis connection that follows the server: reconnects after a restart or a
+//! network cut, and re-resolves the primary through Sentinel after a failover.
+//!
+//! URLs: `redis://[user:pass@]host:port[/db]` for one server, and
+//! `redis+sentinel://host:port[,host:port…]/<primary-name>[/db]` for Sentinel.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use redis::aio::MultiplexedConnection;
+use redis::sentinel::{SentinelClient, SentinelServerType};
+use redis::{AsyncConnectionConfig, Client, RedisError};
+use tokio::sync::Mutex;
+
+/// How long one command may take before the connection is treated as broken.
+pub const DEFAULT_RESPONSE_TIMEOUT: Duration = Duration::from_millis(500);
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConnError {
+    #[error("invalid Redis URL {url:?}: {reason}")]
+    InvalidUrl { url: String, reason: String },
+    #[error("redis: {0}")]
+    Redis(#[from] RedisError),
+}
+
+#[derive(Clone)]
+pub struct RedisConn {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    source: Source,
+    config: AsyncConnectionConfig,
+    current: Mutex<Option<(Client, MultiplexedConnection)>>,
+    display: String,
+}
+
+enum Source {
+    Direct(Client),
+    Sentinel(Mutex<SentinelClient>),
+}
+
+impl RedisConn {
+    /// Parses the URL; no connection is made until the first command.
+    pub fn open(url: &str, response_timeout: Duration) -> Result<Self, ConnError> {
+        let invalid = |reason: &str| ConnError::InvalidUrl {
+            url: url.to_owned(),
+            reason: reason.to_owned(),
+        };
+        let source = if let Some(rest) = url.strip_prefix("redis+sentinel://") {
+            let (hosts, path) = rest.split_once('/').ok_or_else(|| invalid("missing /<primary-name>"))?;
+            let mut parts = path.split('/');
+            let name = parts
+                .next()
+                .filter(|n| !n.is_empty())
+                .ok_or_else(|| invalid("missing primary name"))?;
+            let nodes: Vec<String> = hosts
+                .split(',')
+                .filter(|h| !h.is_empty())
+                .map(|h| format!("redis://{h}"))
+                .collect();
+            if nodes.is_empty() {
+                return Err(invalid("no sentinel address"));
+            }
+            let client = SentinelClient::build(nodes, name.to_owned(), None, SentinelServerType::Master)
+                .map_err(|e| invalid(&e.to_string()))?;
+            Source::Sentinel(Mutex::new(client))
+        } else if url.starts_with("redis://") || url.starts_with("unix://") {
+            Source::Direct(Client::open(url).map_err(|e| invalid(&e.to_string()))?)
+        } else {
+            return Err(invalid("expected redis:// or redis+sentinel://"));
+        };
+        let config = AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(response_timeout.max(Duration::from_millis(200))))
+            .set_response_timeout(Some(response_timeout));
+        Ok(Self {
+            inner: Arc::new(Inner {
+                source,
+                config,
+                current: Mutex::new(None),
+                display: redact(url),
+            }),
+        })
+    }
+
+    /// The URL with any password removed, for logs.
+    pub fn display(&self) -> &str {
+        &self.inner.display
+    }
+
+    /// A connection to the current primary, connecting (or re-resolving it) when needed.
+    pub async fn get(&self) -> Result<MultiplexedConnection, RedisError> {
+        let mut current = self.inner.current.lock().await;
+        if let Some((_, conn)) = current.as_ref() {
+            return Ok(conn.clone());
+        }
+        let client = self.client().await?;
+        let conn = client
+            .get_multiplexed_async_connection_with_config(&self.inner.config)
+            .await?;
+        *current = Some((client, conn.clone()));
+        Ok(conn)
+    }
+
+    /// A client for the current primary (for dedicated connections such as pub/sub).
+    pub async fn client(&self) -> Result<Client, RedisError> {
+        match &self.inner.source {
+            Source::Direct(c) => Ok(c.clone()),
+            Source::Sentinel(s) => s.lock().await.async_get_client().await,
+        }
+    }
+
+    /// Forgets the current connection after an error, so the next command reconnects (and,
+    /// with Sentinel, asks which server is the primary now).
+    pub async fn reset(&self) {
+        *self.inner.current.lock().await = None;
+    }
+
+    /// Runs `f` on a connection; on an I/O-level failure the connection is dropped so the
+    /// next call reconnects.
+    pub async fn run<T, F, Fut>(&self, f: F) -> Result<T, RedisError>
+    where
+        F: FnOnce(MultiplexedConnection) -> Fut,
+        Fut: std::future::Future<Output = Result<T, RedisError>>,
+    {
+        let conn = self.get().await.inspect_err(|_| ())?;
+        let result = f(conn).await;
+        if let Err(e) = &result {
+            if needs_reconnect(e) {
+                self.reset().await;
+            }
+        }
+        result
+    }
+}
+
+/// Whether an error means the connection (or the server's role) is gone, rather than a
+/// problem with one command.
+fn needs_reconnect(e: &RedisError) -> bool {
+    e.is_io_error()
+        || e.is_connection_dropped()
+        || e.is_connection_refusal()
+        || e.is_timeout()
+        || matches!(e.kind(), redis::ErrorKind::Server(redis::ServerErrorKind::ReadOnly))
+        || e.to_string().contains("READONLY")
+}
+
+fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => format!("{}://***@{}", &url[..s], &url[at + 1..]),
+        _ => url.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_are_checked_and_redacted() {
+        assert!(RedisConn::open("redis://127.0.0.1:6379", DEFAULT_RESPONSE_TIMEOUT).is_ok());
+        assert!(RedisConn::open(
+            "redis+sentinel://127.0.0.1:26379,127.0.0.1:26380/primary",
+            DEFAULT_RESPONSE_TIMEOUT
+        )
+        .is_ok());
+        assert!(RedisConn::open("redis+sentinel://127.0.0.1:26379", DEFAULT_RESPONSE_TIMEOUT).is_err());
+        assert!(RedisConn::open("http://x", DEFAULT_RESPONSE_TIMEOUT).is_err());
+        assert_eq!(redact("redis://user:secret@h:1/0"), "redis://***@h:1/0");
+    }
+}

@@ -1,0 +1,72 @@
+//! Serving HTTP on a listener until shutdown: HTTP/1.1 (and h2c), keep-alive, limits on slow
+//! and oversized request heads, and a graceful drain.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use http::{Request, Response};
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulShutdown;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::http::Body;
+
+/// How long a client may take to send a request head (slow clients are cut off).
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// Most header lines accepted in one request.
+pub const MAX_HEADERS: usize = 100;
+/// Largest request head buffered, in bytes.
+pub const MAX_HEAD_BYTES: usize = 64 * 1024;
+
+/// Serves `handler` on `listener` until `shutdown` fires, then stops accepting and gives open
+/// connections `grace` to finish their requests.
+pub async fn serve<H, F>(listener: TcpListener, handler: H, shutdown: CancellationToken, grace: Duration)
+where
+    H: Fn(Request<Incoming>, SocketAddr) -> F + Clone + Send + Sync + 'static,
+    F: Future<Output = Response<Body>> + Send + 'static,
+{
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(HEADER_READ_TIMEOUT)
+        .max_headers(MAX_HEADERS)
+        .max_buf_size(MAX_HEAD_BYTES)
+        .keep_alive(true);
+    let graceful = GracefulShutdown::new();
+    loop {
+        let (stream, peer) = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            accepted = listener.accept() => match accepted {
+                Ok(a) => a,
+                Err(error) => {
+                    // Out of descriptors or a transient network error: pause instead of spinning.
+                    tracing::warn!(%error, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let _ = stream.set_nodelay(true);
+        let handler = handler.clone();
+        let service = hyper::service::service_fn(move |req| {
+            let handler = handler.clone();
+            async move { Ok::<_, std::convert::Infallible>(handler(req, peer).await) }
+        });
+        let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
+        let conn = graceful.watch(conn.into_owned());
+        tokio::spawn(async move {
+            if let Err(error) = conn.await {
+                tracing::debug!(%error, %peer, "connection ended with an error");
+            }
+        });
+    }
+    drop(listener);
+    if tokio::time::timeout(grace, graceful.shutdown()).await.is_err() {
+        tracing::warn!(?grace, "connections still open after the grace period; closing them");
+    }
+}

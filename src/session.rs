@@ -1,0 +1,260 @@
+//! Session ids, turns and the keys built from them: the pure rules every write starts with.
+
+use std::fmt;
+
+/// Longest session id accepted, in bytes.
+pub const MAX_SESSION_ID_LEN: usize = 128;
+
+/// Largest turn accepted: the largest integer a JSON number holds exactly in every client.
+pub const MAX_TURN: u64 = (1 << 53) - 1;
+
+/// A validated session id.
+///
+/// Only `[A-Za-z0-9._-]` is allowed (and not `.` or `..` alone), so an id can never carry a
+/// key separator (`:`), a Redis glob character (`*`, `?`, `[`), a path separator or an escape:
+/// two different ids always build two different keys, and an id is safe in a URL path as is.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SessionId(String);
+
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum InvalidSessionId {
+    #[error("session id is empty")]
+    Empty,
+    #[error("session id is longer than {MAX_SESSION_ID_LEN} bytes")]
+    TooLong,
+    #[error("session id may only contain letters, digits, '.', '_' and '-' (found {0:?})")]
+    BadChar(char),
+    #[error("session id may not be '.' or '..'")]
+    DotSegment,
+}
+
+impl SessionId {
+    pub fn parse(raw: &str) -> Result<Self, InvalidSessionId> {
+        if raw.is_empty() {
+            return Err(InvalidSessionId::Empty);
+        }
+        if raw.len() > MAX_SESSION_ID_LEN {
+            return Err(InvalidSessionId::TooLong);
+        }
+        if let Some(c) = raw
+            .chars()
+            .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')))
+        {
+            return Err(InvalidSessionId::BadChar(c));
+        }
+        if raw == "." || raw == ".." {
+            return Err(InvalidSessionId::DotSegment);
+        }
+        Ok(Self(raw.to_owned()))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for SessionId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// Why a turn could not be read from a request.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum TurnError {
+    #[error("the write carries no turn: set the body field `turn` or the X-Session-Turn header")]
+    Missing,
+    #[error("turn must be a non-negative integer no larger than {MAX_TURN} (got {0})")]
+    Invalid(String),
+    #[error("the body field `turn` ({body}) and the X-Session-Turn header ({header}) disagree")]
+    Mismatch { body: u64, header: u64 },
+}
+
+impl TurnError {
+    pub fn code(&self) -> &'static str {
+        match self {
+            Self::Missing => "missing_turn",
+            Self::Invalid(_) => "invalid_turn",
+            Self::Mismatch { .. } => "turn_mismatch",
+        }
+    }
+}
+
+/// Reads a turn from a JSON value: a non-negative integer within [`MAX_TURN`].
+pub fn turn_from_json(value: &serde_json::Value) -> Result<u64, TurnError> {
+    match value.as_u64() {
+        Some(t) if t <= MAX_TURN => Ok(t),
+        _ => Err(TurnError::Invalid(truncate(&value.to_string(), 40))),
+    }
+}
+
+/// Reads a turn from a header value: ASCII digits only, within [`MAX_TURN`].
+pub fn turn_from_header(raw: &[u8]) -> Result<u64, TurnError> {
+    let invalid = || TurnError::Invalid(truncate(&String::from_utf8_lossy(raw), 40));
+    let text = std::str::from_utf8(raw).map_err(|_| invalid())?.trim();
+    if text.is_empty() || !text.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(invalid());
+    }
+    match text.parse::<u64>() {
+        Ok(t) if t <= MAX_TURN => Ok(t),
+        _ => Err(invalid()),
+    }
+}
+
+/// Combines the body's and the header's turn: the body wins when only it has one, the header
+/// is used when the body has none, and two different values are an error.
+pub fn resolve_turn(body: Option<u64>, header: Option<u64>) -> Result<u64, TurnError> {
+    match (body, header) {
+        (Some(b), Some(h)) if b != h => Err(TurnError::Mismatch { body: b, header: h }),
+        (Some(t), _) | (None, Some(t)) => Ok(t),
+        (None, None) => Err(TurnError::Missing),
+    }
+}
+
+/// The stale rule: a write whose turn is older than the stored turn is refused.
+pub fn is_stale(write_turn: u64, stored_turn: u64) -> bool {
+    write_turn < stored_turn
+}
+
+/// Builds the Redis keys turnlock uses, all under one configurable prefix.
+///
+/// Every key embeds a [`SessionId`], which cannot contain `:`, so the last `:`-separated field
+/// of a key is always the session's own (or the turn), and no id can alias another's key.
+#[derive(Clone, Debug)]
+pub struct Keys {
+    prefix: String,
+}
+
+impl Keys {
+    pub fn new(prefix: impl Into<String>) -> Self {
+        Self { prefix: prefix.into() }
+    }
+
+    /// The lock for one turn of one session: `<prefix>session:<id>:<turn>`.
+    pub fn lock(&self, session: &SessionId, turn: u64) -> String {
+        format!("{}session:{}:{}", self.prefix, session, turn)
+    }
+
+    /// The channel a lock's release is announced on.
+    pub fn released(&self, lock_key: &str) -> String {
+        format!("{lock_key}:released")
+    }
+
+    /// The per-session fencing counter.
+    pub fn fence_token(&self, session: &SessionId) -> String {
+        format!("{}fence:{}", self.prefix, session)
+    }
+
+    /// The per-session committed version, for stores without ETags.
+    pub fn version_fence(&self, session: &SessionId) -> String {
+        format!("{}version:{}", self.prefix, session)
+    }
+
+    /// The per-session reservation of the next version while a write is in flight.
+    pub fn version_pending(&self, session: &SessionId) -> String {
+        format!("{}version:{}:pending", self.prefix, session)
+    }
+
+    /// The highest turn accepted in serialize mode (no document to read the turn from).
+    pub fn turn_mark(&self, session: &SessionId) -> String {
+        format!("{}turn:{}", self.prefix, session)
+    }
+
+    /// A snapshot of one version of a session, for three-way merges.
+    pub fn history(&self, session: &SessionId, version: u64) -> String {
+        format!("{}history:{}:{}", self.prefix, session, version)
+    }
+
+    /// An idempotency record; the client's key is hashed, so it may hold any bytes.
+    pub fn idempotency(&self, session: &SessionId, key_digest: &str) -> String {
+        format!("{}idem:{}:{}", self.prefix, session, key_digest)
+    }
+}
+
+fn truncate(s: &str, max: usize) -> String {
+    if s.len() <= max {
+        return s.to_owned();
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &s[..end])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use serde_json::json;
+
+    #[test]
+    fn ids_with_separators_globs_or_escapes_are_rejected() {
+        for bad in [
+            "a:b", "a*", "a?", "a[b]", "a/b", "..", ".", "a%2Fb", "é", "a b", "", "a\\b",
+        ] {
+            assert!(SessionId::parse(bad).is_err(), "{bad:?} was accepted");
+        }
+        assert_eq!(
+            SessionId::parse(&"x".repeat(MAX_SESSION_ID_LEN + 1)),
+            Err(InvalidSessionId::TooLong)
+        );
+    }
+
+    #[test]
+    fn ordinary_ids_are_accepted() {
+        for good in ["s-42", "A.b_c-9", "...", "x".repeat(MAX_SESSION_ID_LEN).as_str()] {
+            assert!(SessionId::parse(good).is_ok(), "{good:?} was rejected");
+        }
+    }
+
+    #[test]
+    fn turn_accepts_only_non_negative_integers() {
+        assert_eq!(turn_from_json(&json!(7)), Ok(7));
+        assert_eq!(turn_from_json(&json!(0)), Ok(0));
+        for bad in [json!(-1), json!(1.5), json!("7"), json!(null), json!(1u64 << 60)] {
+            assert!(turn_from_json(&bad).is_err(), "{bad} was accepted");
+        }
+        assert_eq!(turn_from_header(b" 12 "), Ok(12));
+        for bad in [&b"-1"[..], b"1.0", b"", b"abc", b"99999999999999999999", b"+3"] {
+            assert!(turn_from_header(bad).is_err());
+        }
+    }
+
+    #[test]
+    fn turn_in_body_and_header_must_agree() {
+        assert_eq!(resolve_turn(Some(3), None), Ok(3));
+        assert_eq!(resolve_turn(None, Some(4)), Ok(4));
+        assert_eq!(resolve_turn(Some(5), Some(5)), Ok(5));
+        assert_eq!(
+            resolve_turn(Some(5), Some(6)),
+            Err(TurnError::Mismatch { body: 5, header: 6 })
+        );
+        assert_eq!(resolve_turn(None, None), Err(TurnError::Missing));
+    }
+
+    #[test]
+    fn stale_turn_is_strictly_older() {
+        assert!(is_stale(4, 5));
+        assert!(!is_stale(5, 5));
+        assert!(!is_stale(6, 5));
+    }
+
+    proptest! {
+        #[test]
+        fn distinct_valid_ids_never_share_a_lock_key(a in "[A-Za-z0-9._:*?-]{1,12}", b in "[A-Za-z0-9._:*?-]{1,12}", ta in 0u64..100, tb in 0u64..100) {
+            let keys = Keys::new("tl:");
+            if let (Ok(ia), Ok(ib)) = (SessionId::parse(&a), SessionId::parse(&b)) {
+                let ka = keys.lock(&ia, ta);
+                let kb = keys.lock(&ib, tb);
+                prop_assert_eq!(ka == kb, ia == ib && ta == tb);
+                prop_assert!(!ka.contains(['*', '?', '[']));
+            }
+        }
+
+        #[test]
+        fn header_turn_round_trips(t in 0u64..=MAX_TURN) {
+            prop_assert_eq!(turn_from_header(t.to_string().as_bytes()), Ok(t));
+        }
+    }
+}

@@ -1,0 +1,167 @@
+//! Assembling and running the sidecar: backends, pipeline, proxy and admin servers, and the
+//! shutdown sequence (stop accepting, drain in-flight writes, release held locks).
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::admin::{self, Readiness};
+use crate::config::{ConfigError, ProxyArgs};
+use crate::lock::{LockSettings, Locks, MemoryLocks, RedisLocks};
+use crate::metrics::Metrics;
+use crate::proxy::{Pipeline, PipelineSettings, Proxy};
+use crate::records::Records;
+use crate::redis_conn::RedisConn;
+use crate::routes::Routes;
+use crate::session::Keys;
+use crate::upstream::Upstream;
+
+/// A running sidecar.
+pub struct Running {
+    pub addr: SocketAddr,
+    pub admin: SocketAddr,
+    pub metrics: Metrics,
+    pub locks: Locks,
+    shutdown: CancellationToken,
+    task: JoinHandle<()>,
+}
+
+impl Running {
+    /// Shuts down gracefully and waits until it has.
+    pub async fn stop(self) {
+        self.shutdown.cancel();
+        let _ = self.task.await;
+    }
+
+    pub fn shutdown_token(&self) -> CancellationToken {
+        self.shutdown.clone()
+    }
+
+    /// Waits until the sidecar has stopped (after its shutdown token fired).
+    pub async fn wait(self) {
+        let _ = self.task.await;
+    }
+}
+
+/// Builds everything from the configuration and starts serving.
+pub async fn start(args: ProxyArgs) -> Result<Running, ConfigError> {
+    args.validate()?;
+    let metrics = Metrics::new();
+    let keys = Keys::new(args.key_prefix.clone());
+    let settings = LockSettings { lease: args.lease() };
+    let (locks, records) = match &args.redis {
+        Some(url) => {
+            let conn = RedisConn::open(url, Duration::from_millis(args.redis_timeout_ms))
+                .map_err(|e| ConfigError(e.to_string()))?;
+            tracing::info!(redis = conn.display(), "locks, fences and idempotency records in Redis");
+            let locks = RedisLocks::new(conn.clone(), keys.clone(), settings, metrics.clone());
+            (Locks::Redis(locks.into()), Records::Redis(conn))
+        }
+        None => {
+            tracing::warn!(
+                "no --redis configured: the in-memory lock backend serializes only the writers inside this one process; \
+                 replicas in other pods are NOT serialized against each other"
+            );
+            let locks = std::sync::Arc::new(MemoryLocks::new(settings, metrics.clone()));
+            let records = Records::memory();
+            spawn_sweeper(locks.clone(), records.clone());
+            (Locks::Memory(locks), records)
+        }
+    };
+    let upstream = Upstream::new(
+        &args.upstream,
+        Duration::from_millis(args.upstream_timeout_ms),
+        metrics.clone(),
+    )
+    .map_err(ConfigError)?;
+    let routes = match &args.routes {
+        Some(path) => Routes::from_file(path, &args.session_prefix).map_err(|e| ConfigError(e.to_string()))?,
+        None => Routes::canonical(&args.session_prefix).map_err(ConfigError)?,
+    };
+    let pipeline = Pipeline::new(
+        locks.clone(),
+        records,
+        upstream.clone(),
+        keys,
+        metrics.clone(),
+        PipelineSettings {
+            budget: Duration::from_millis(args.lock_budget_ms),
+            idempotency_ttl: Duration::from_secs(args.idempotency_ttl_secs),
+            history_ttl: Duration::from_secs(args.history_ttl_secs),
+            max_batch: args.max_batch,
+        },
+    );
+    let proxy = Proxy::new(
+        routes,
+        upstream.clone(),
+        pipeline.clone(),
+        metrics.clone(),
+        args.max_body_bytes,
+    );
+
+    let listener = TcpListener::bind(args.listen)
+        .await
+        .map_err(|e| ConfigError(format!("cannot listen on {}: {e}", args.listen)))?;
+    let admin_listener = TcpListener::bind(args.admin)
+        .await
+        .map_err(|e| ConfigError(format!("cannot listen on admin address {}: {e}", args.admin)))?;
+    let addr = listener.local_addr().map_err(|e| ConfigError(e.to_string()))?;
+    let admin_addr = admin_listener.local_addr().map_err(|e| ConfigError(e.to_string()))?;
+
+    let shutdown = CancellationToken::new();
+    let grace = Duration::from_millis(args.shutdown_grace_ms);
+    let readiness = Readiness::new(locks.clone(), upstream, shutdown.clone());
+    let admin_stop = CancellationToken::new();
+    let admin_task = tokio::spawn(admin::serve(
+        admin_listener,
+        metrics.clone(),
+        readiness,
+        admin_stop.clone(),
+    ));
+
+    let task = {
+        let shutdown = shutdown.clone();
+        let locks = locks.clone();
+        tokio::spawn(async move {
+            let handler = move |req, peer| {
+                let proxy = proxy.clone();
+                async move { proxy.handle(req, peer).await }
+            };
+            crate::server::serve(listener, handler, shutdown.clone(), grace).await;
+            // Connections are closed; writes already under a lock finish (bounded by the grace).
+            if tokio::time::timeout(grace, pipeline.drain()).await.is_err() {
+                tracing::warn!("writes still in flight after the grace period");
+            }
+            let released = locks.release_all().await;
+            if released > 0 {
+                tracing::info!(released, "released locks still held at shutdown");
+            }
+            admin_stop.cancel();
+            let _ = admin_task.await;
+            tracing::info!("stopped");
+        })
+    };
+    tracing::info!(%addr, admin = %admin_addr, upstream = %args.upstream, "turnlock proxy listening");
+    Ok(Running {
+        addr,
+        admin: admin_addr,
+        metrics,
+        locks,
+        shutdown,
+        task,
+    })
+}
+
+fn spawn_sweeper(locks: std::sync::Arc<MemoryLocks>, records: Records) {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(crate::lock::memory_sweep_every());
+        loop {
+            tick.tick().await;
+            locks.sweep();
+            records.sweep();
+        }
+    });
+}

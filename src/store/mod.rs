@@ -1,0 +1,254 @@
+//! The reference context store: a plain JSON document store over HTTP.
+//!
+//! `GET`/`PUT`/`DELETE /v1/sessions/{id}`, `ETag` = version, `If-Match` and
+//! `If-None-Match: *` honoured (412 on mismatch). It is deliberately plain: a client that does
+//! GET-modify-PUT without preconditions loses updates against it, exactly as against any
+//! key-value or document store. Documents live in memory, or in Redis with `--redis`.
+
+mod backend;
+
+pub use self::backend::Backend;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{self, HeaderValue};
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+use serde_json::{json, Value};
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::{ConfigError, StoreArgs};
+use crate::http::{error, etag_for, full, version_from_etag, Body};
+
+/// Path prefix of the session documents.
+pub const SESSIONS: &str = "/v1/sessions/";
+const MAX_ID_LEN: usize = 256;
+
+#[derive(Clone)]
+pub struct Store {
+    backend: Backend,
+    etags: bool,
+    max_body: usize,
+}
+
+/// What a conditional write asks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Expect {
+    Any,
+    Absent,
+    Version(u64),
+    Exists,
+}
+
+#[derive(Debug, PartialEq, Eq)]
+pub enum PutOutcome {
+    Stored { version: u64, created: bool, body: Bytes },
+    PreconditionFailed,
+}
+
+/// A running store.
+pub struct RunningStore {
+    pub addr: SocketAddr,
+    shutdown: CancellationToken,
+    task: JoinHandle<()>,
+}
+
+impl RunningStore {
+    pub async fn stop(self) {
+        self.shutdown.cancel();
+        let _ = self.task.await;
+    }
+
+    pub fn shutdown_token(&self) -> CancellationToken {
+        self.shutdown.clone()
+    }
+
+    pub async fn wait(self) {
+        let _ = self.task.await;
+    }
+}
+
+pub async fn start(args: StoreArgs) -> Result<RunningStore, ConfigError> {
+    let backend = match &args.redis {
+        Some(url) => Backend::redis(url, &args.key_prefix).map_err(|e| ConfigError(e.to_string()))?,
+        None => Backend::memory(),
+    };
+    let store = Store {
+        backend,
+        etags: !args.no_etags,
+        max_body: args.max_body_bytes,
+    };
+    let listener = TcpListener::bind(args.listen)
+        .await
+        .map_err(|e| ConfigError(format!("cannot listen on {}: {e}", args.listen)))?;
+    let addr = listener.local_addr().map_err(|e| ConfigError(e.to_string()))?;
+    let shutdown = CancellationToken::new();
+    let grace = Duration::from_millis(args.shutdown_grace_ms);
+    let task = {
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move {
+            let handler = move |req, _peer| {
+                let store = store.clone();
+                async move { store.handle(req).await }
+            };
+            crate::server::serve(listener, handler, shutdown, grace).await;
+        })
+    };
+    tracing::info!(%addr, etags = !args.no_etags, "turnlock reference store listening");
+    Ok(RunningStore { addr, shutdown, task })
+}
+
+impl Store {
+    async fn handle(&self, req: Request<Incoming>) -> Response<Body> {
+        let path = req.uri().path().to_owned();
+        if path == "/healthz" || path == "/" {
+            return crate::http::json(StatusCode::OK, &json!({"status": "ok"}));
+        }
+        let Some(id) = path
+            .strip_prefix(SESSIONS)
+            .filter(|id| !id.is_empty() && !id.contains('/'))
+        else {
+            return error(
+                StatusCode::NOT_FOUND,
+                "not_found",
+                "documents live at /v1/sessions/{id}",
+                None,
+            );
+        };
+        if id.len() > MAX_ID_LEN {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "invalid_id",
+                format!("ids are at most {MAX_ID_LEN} bytes"),
+                None,
+            );
+        }
+        let id = id.to_owned();
+        let result = match *req.method() {
+            Method::GET | Method::HEAD => self.get(&id).await,
+            Method::PUT => self.put(&id, req).await,
+            Method::DELETE => self.delete(&id, &req).await,
+            _ => Ok(error(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "method_not_allowed",
+                "use GET, PUT or DELETE",
+                None,
+            )),
+        };
+        result.unwrap_or_else(|e| error(StatusCode::SERVICE_UNAVAILABLE, "storage_unavailable", e, None))
+    }
+
+    async fn get(&self, id: &str) -> Result<Response<Body>, backend::BackendError> {
+        Ok(match self.backend.get(id).await? {
+            None => error(StatusCode::NOT_FOUND, "not_found", "no such session", None),
+            Some((version, body)) => self.document(StatusCode::OK, version, body),
+        })
+    }
+
+    async fn put(&self, id: &str, req: Request<Incoming>) -> Result<Response<Body>, backend::BackendError> {
+        let expect = if !self.etags {
+            Expect::Any
+        } else {
+            match expectation(req.headers()) {
+                Ok(e) => e,
+                Err(m) => return Ok(error(StatusCode::BAD_REQUEST, "invalid_precondition", m, None)),
+            }
+        };
+        let bytes = match Limited::new(req.into_body(), self.max_body).collect().await {
+            Ok(c) => c.to_bytes(),
+            Err(_) => {
+                return Ok(error(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "body_too_large",
+                    format!("documents are at most {} bytes", self.max_body),
+                    None,
+                ))
+            }
+        };
+        let doc = match serde_json::from_slice::<Value>(&bytes) {
+            Ok(Value::Object(doc)) => doc,
+            Ok(_) => {
+                return Ok(error(
+                    StatusCode::BAD_REQUEST,
+                    "invalid_body",
+                    "a document is a JSON object",
+                    None,
+                ))
+            }
+            Err(e) => return Ok(error(StatusCode::BAD_REQUEST, "malformed_json", e, None)),
+        };
+        Ok(match self.backend.put(id, doc, expect).await? {
+            PutOutcome::PreconditionFailed => error(
+                StatusCode::PRECONDITION_FAILED,
+                "precondition_failed",
+                "the document changed",
+                None,
+            ),
+            PutOutcome::Stored { version, created, body } => {
+                let status = if created { StatusCode::CREATED } else { StatusCode::OK };
+                self.document(status, version, body)
+            }
+        })
+    }
+
+    async fn delete(&self, id: &str, req: &Request<Incoming>) -> Result<Response<Body>, backend::BackendError> {
+        let expect = if self.etags {
+            match expectation(req.headers()) {
+                Ok(e) => e,
+                Err(m) => return Ok(error(StatusCode::BAD_REQUEST, "invalid_precondition", m, None)),
+            }
+        } else {
+            Expect::Any
+        };
+        Ok(match self.backend.delete(id, expect).await? {
+            Some(true) => {
+                let mut res = Response::new(crate::http::empty());
+                *res.status_mut() = StatusCode::NO_CONTENT;
+                res
+            }
+            Some(false) => error(
+                StatusCode::PRECONDITION_FAILED,
+                "precondition_failed",
+                "the document changed",
+                None,
+            ),
+            None => error(StatusCode::NOT_FOUND, "not_found", "no such session", None),
+        })
+    }
+
+    fn document(&self, status: StatusCode, version: u64, body: Bytes) -> Response<Body> {
+        let mut res = Response::new(full(body));
+        *res.status_mut() = status;
+        res.headers_mut()
+            .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        if self.etags {
+            res.headers_mut().insert(header::ETAG, etag_for(version));
+        }
+        res
+    }
+}
+
+fn expectation(headers: &http::HeaderMap) -> Result<Expect, &'static str> {
+    if let Some(v) = headers.get(header::IF_NONE_MATCH) {
+        return if v.as_bytes() == b"*" {
+            Ok(Expect::Absent)
+        } else {
+            Err("only If-None-Match: * is supported")
+        };
+    }
+    match headers.get(header::IF_MATCH) {
+        None => Ok(Expect::Any),
+        Some(v) if v.as_bytes() == b"*" => Ok(Expect::Exists),
+        Some(v) => v
+            .to_str()
+            .ok()
+            .and_then(version_from_etag)
+            .map(Expect::Version)
+            .ok_or("If-Match must be an entity tag this store issued"),
+    }
+}

@@ -1,0 +1,269 @@
+//! The context store behind the sidecar: a pooled keep-alive HTTP client, the document read
+//! and the conditional write-back, and plain forwarding for everything else.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{self, HeaderValue};
+use http::{Method, Request, Response, StatusCode, Uri};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use tokio::time::Instant;
+
+use crate::http::{full, Body};
+use crate::merge::Document;
+use crate::metrics::Metrics;
+
+/// The header carrying the fencing token of the lock grant a write was made under.
+pub const FENCING_TOKEN: &str = "x-fencing-token";
+
+/// Largest document accepted from the store.
+const MAX_DOCUMENT_BYTES: usize = 64 * 1024 * 1024;
+
+#[derive(Debug, thiserror::Error)]
+pub enum UpstreamError {
+    #[error("the context store did not answer within {0:?}")]
+    Timeout(Duration),
+    #[error("the context store is unreachable: {0}")]
+    Unreachable(String),
+    #[error("the context store refused the conditional write (412)")]
+    PreconditionFailed,
+    #[error("the context store answered {status}")]
+    Status { status: StatusCode, body: Bytes },
+    #[error("the context store returned a document turnlock cannot read: {0}")]
+    InvalidDocument(String),
+}
+
+impl UpstreamError {
+    /// Whether the write may have landed even though no confirmation came back.
+    pub fn outcome_unknown(&self) -> bool {
+        matches!(self, Self::Timeout(_) | Self::Unreachable(_))
+    }
+
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Self::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
+            _ => StatusCode::BAD_GATEWAY,
+        }
+    }
+
+    pub fn code(&self) -> &'static str {
+        match self {
+            Self::Timeout(_) => "upstream_timeout",
+            Self::Unreachable(_) => "upstream_unavailable",
+            Self::PreconditionFailed => "upstream_conflict",
+            Self::Status { .. } => "upstream_error",
+            Self::InvalidDocument(_) => "upstream_invalid_document",
+        }
+    }
+}
+
+/// The precondition of a write-back.
+#[derive(Clone, Debug)]
+pub enum Precondition {
+    /// The store's entity tag as read.
+    IfMatch(HeaderValue),
+    /// The document must not exist yet.
+    Absent,
+    /// The store gives no entity tags: ordering is turnlock's own version fence.
+    None,
+}
+
+/// A document as read from the store.
+#[derive(Debug)]
+pub struct Fetched {
+    pub doc: Option<Document>,
+    pub etag: Option<HeaderValue>,
+}
+
+#[derive(Clone)]
+pub struct Upstream {
+    client: Client<HttpConnector, Body>,
+    scheme: http::uri::Scheme,
+    authority: http::uri::Authority,
+    base_path: String,
+    timeout: Duration,
+    metrics: Metrics,
+}
+
+impl Upstream {
+    pub fn new(base: &str, timeout: Duration, metrics: Metrics) -> Result<Self, String> {
+        let uri: Uri = base
+            .parse()
+            .map_err(|e| format!("invalid upstream URL {base:?}: {e}"))?;
+        let scheme = uri
+            .scheme()
+            .cloned()
+            .ok_or_else(|| format!("upstream URL {base:?} has no scheme"))?;
+        if scheme != http::uri::Scheme::HTTP {
+            return Err(format!(
+                "upstream URL {base:?}: only http:// is supported (TLS to the store is not built in)"
+            ));
+        }
+        let authority = uri
+            .authority()
+            .cloned()
+            .ok_or_else(|| format!("upstream URL {base:?} has no host"))?;
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(timeout));
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(30))
+            .pool_max_idle_per_host(256)
+            .build(connector);
+        Ok(Self {
+            client,
+            scheme,
+            authority,
+            base_path: uri.path().trim_end_matches('/').to_owned(),
+            timeout,
+            metrics,
+        })
+    }
+
+    /// The store's URI for a request path (and query) as the agent sent it.
+    pub fn uri(&self, path_and_query: &str) -> Result<Uri, http::Error> {
+        Uri::builder()
+            .scheme(self.scheme.clone())
+            .authority(self.authority.clone())
+            .path_and_query(format!("{}{}", self.base_path, path_and_query))
+            .build()
+    }
+
+    /// Sends a request, waiting at most the timeout for the response head. The body streams.
+    pub async fn send(&self, req: Request<Body>) -> Result<Response<Incoming>, UpstreamError> {
+        match tokio::time::timeout(self.timeout, self.client.request(req)).await {
+            Err(_) => Err(UpstreamError::Timeout(self.timeout)),
+            Ok(Err(e)) => Err(UpstreamError::Unreachable(error_chain(&e))),
+            Ok(Ok(res)) => Ok(res),
+        }
+    }
+
+    /// Reads the document at `path`, or `None` on 404.
+    pub async fn get_document(&self, path: &str) -> Result<Fetched, UpstreamError> {
+        let started = Instant::now();
+        let req = Request::builder()
+            .method(Method::GET)
+            .uri(self.uri(path).map_err(|e| UpstreamError::Unreachable(e.to_string()))?)
+            .header(header::ACCEPT, "application/json")
+            .body(crate::http::empty())
+            .map_err(|e| UpstreamError::Unreachable(e.to_string()))?;
+        let res = self.send(req).await;
+        let result = match res {
+            Err(e) => Err(e),
+            Ok(res) if res.status() == StatusCode::NOT_FOUND => {
+                // Drain so the connection returns to the pool.
+                let _ = self.body(res).await;
+                Ok(Fetched { doc: None, etag: None })
+            }
+            Ok(res) if res.status().is_success() => {
+                let etag = res.headers().get(header::ETAG).cloned();
+                let bytes = self.body(res).await?;
+                match serde_json::from_slice::<serde_json::Value>(&bytes) {
+                    Ok(serde_json::Value::Object(doc)) => {
+                        if doc.get("messages").is_some_and(|m| !m.is_array()) {
+                            Err(UpstreamError::InvalidDocument("`messages` is not an array".into()))
+                        } else {
+                            Ok(Fetched { doc: Some(doc), etag })
+                        }
+                    }
+                    Ok(_) => Err(UpstreamError::InvalidDocument("not a JSON object".into())),
+                    Err(e) => Err(UpstreamError::InvalidDocument(e.to_string())),
+                }
+            }
+            Ok(res) => {
+                let status = res.status();
+                let body = self.body(res).await.unwrap_or_default();
+                Err(UpstreamError::Status { status, body })
+            }
+        };
+        self.metrics.upstream("get", started.elapsed());
+        result
+    }
+
+    /// Writes the document back under its precondition; returns the store's new entity tag.
+    pub async fn put_document(
+        &self,
+        path: &str,
+        doc: Bytes,
+        precondition: &Precondition,
+        fence: u64,
+    ) -> Result<Option<HeaderValue>, UpstreamError> {
+        let started = Instant::now();
+        let mut req = Request::builder()
+            .method(Method::PUT)
+            .uri(self.uri(path).map_err(|e| UpstreamError::Unreachable(e.to_string()))?)
+            .header(header::CONTENT_TYPE, "application/json")
+            .header(FENCING_TOKEN, fence);
+        req = match precondition {
+            Precondition::IfMatch(tag) => req.header(header::IF_MATCH, tag.clone()),
+            Precondition::Absent => req.header(header::IF_NONE_MATCH, "*"),
+            Precondition::None => req,
+        };
+        let req = req
+            .body(full(doc))
+            .map_err(|e| UpstreamError::Unreachable(e.to_string()))?;
+        let result = match self.send(req).await {
+            Err(e) => Err(e),
+            Ok(res) if res.status().is_success() => {
+                let etag = res.headers().get(header::ETAG).cloned();
+                let _ = self.body(res).await;
+                Ok(etag)
+            }
+            Ok(res) if res.status() == StatusCode::PRECONDITION_FAILED => {
+                let _ = self.body(res).await;
+                Err(UpstreamError::PreconditionFailed)
+            }
+            Ok(res) => {
+                let status = res.status();
+                let body = self.body(res).await.unwrap_or_default();
+                Err(UpstreamError::Status { status, body })
+            }
+        };
+        self.metrics.upstream("put", started.elapsed());
+        result
+    }
+
+    /// Reads a whole response body, within the timeout and the size limit.
+    pub async fn body(&self, res: Response<Incoming>) -> Result<Bytes, UpstreamError> {
+        let limited = http_body_util::Limited::new(res.into_body(), MAX_DOCUMENT_BYTES);
+        match tokio::time::timeout(self.timeout, limited.collect()).await {
+            Err(_) => Err(UpstreamError::Timeout(self.timeout)),
+            Ok(Err(e)) => Err(UpstreamError::Unreachable(e.to_string())),
+            Ok(Ok(c)) => Ok(c.to_bytes()),
+        }
+    }
+
+    /// Whether the store answers at all (any HTTP response counts).
+    pub async fn ping(&self) -> bool {
+        let Ok(uri) = self.uri("/") else { return false };
+        let Ok(req) = Request::builder()
+            .method(Method::GET)
+            .uri(uri)
+            .body(crate::http::empty())
+        else {
+            return false;
+        };
+        match self.send(req).await {
+            Ok(res) => {
+                let _ = self.body(res).await;
+                true
+            }
+            Err(_) => false,
+        }
+    }
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(inner) = cur {
+        s.push_str(": ");
+        s.push_str(&inner.to_string());
+        cur = inner.source();
+    }
+    s
+}
