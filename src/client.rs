@@ -24,6 +24,7 @@ pub struct JsonClient {
 pub struct Reply {
     pub status: StatusCode,
     pub headers: HeaderMap,
+    pub body: Bytes,
     pub json: Value,
 }
 
@@ -64,6 +65,11 @@ impl JsonClient {
         let headers = res.headers().clone();
         let bytes = res.into_body().collect().await?.to_bytes();
         let json = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
-        Ok(Reply { status, headers, json })
+        Ok(Reply {
+            status,
+            headers,
+            body: bytes,
+            json,
+        })
     }
 }
