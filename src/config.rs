@@ -134,9 +134,6 @@ impl ProxyArgs {
         if self.lock_ttl_ms < 10 {
             return err("--lock-ttl-ms must be at least 10");
         }
-        if self.lock_ttl_ms <= self.lock_budget_ms {
-            return err("--lock-ttl-ms must be longer than --lock-budget-ms");
-        }
         if self.max_body_bytes == 0 || self.max_batch == 0 {
             return err("--max-body-bytes and --max-batch must be positive");
         }

@@ -5,8 +5,9 @@ use tracing_subscriber::EnvFilter;
 
 pub const LOG_FORMAT: &str = "TURNLOCK_LOG_FORMAT";
 
-pub fn init() {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+/// Installs the global subscriber; `default` is the level used when `RUST_LOG` is unset.
+pub fn init(default: &str) {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
     let json = std::env::var(LOG_FORMAT).is_ok_and(|v| v.eq_ignore_ascii_case("json"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)

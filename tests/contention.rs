@@ -210,7 +210,7 @@ async fn writer_step(client: &JsonClient, w: usize, op: usize, s: usize, log: &M
     let id = format!("w{w}-o{op}");
     let kind = op % 7;
     let (req_path, body, ids, through, stale) = match kind {
-        0 | 1 | 2 => (
+        0..=2 => (
             format!("{path}/messages"),
             json!({"turn": turn, "messages": [{"id": id, "role": "user", "content": id}]}),
             vec![id.clone()],
