@@ -32,9 +32,9 @@ pub struct RunReport {
 struct Tally {
     acked: Vec<(usize, String)>,
     latencies: Vec<Duration>,
-    stale_accepted: usize,
     stale_rejected: usize,
-    max_acked_turn: Vec<u64>,
+    /// Per acknowledged write: (session, version it was stored at, its turn).
+    commits: Vec<(usize, u64, u64)>,
 }
 
 pub async fn run(args: DemoArgs) -> Result<Vec<RunReport>, Box<dyn std::error::Error>> {
@@ -52,10 +52,7 @@ pub async fn run(args: DemoArgs) -> Result<Vec<RunReport>, Box<dyn std::error::E
 }
 
 async fn run_replicas(name: &'static str, base: &str, tag: &str, args: &DemoArgs) -> RunReport {
-    let tally = Arc::new(Mutex::new(Tally {
-        max_acked_turn: vec![0; args.sessions],
-        ..Tally::default()
-    }));
+    let tally = Arc::new(Mutex::new(Tally::default()));
     let mut tasks = Vec::new();
     for replica in 0..args.replicas {
         let client = JsonClient::new(base);
@@ -102,7 +99,7 @@ async fn run_replicas(name: &'static str, base: &str, tag: &str, args: &DemoArgs
         acknowledged: tally.acked.len(),
         lost,
         duplicated,
-        stale_accepted: tally.stale_accepted,
+        stale_accepted: stale_accepted(&tally.commits),
         stale_rejected: tally.stale_rejected,
         p50_ms: percentile(&lat, 0.50),
         p99_ms: percentile(&lat, 0.99),
@@ -132,10 +129,7 @@ async fn agent_turn(client: &JsonClient, session: &str, s: usize, id: &str, tall
                 let mut t = tally.lock().await;
                 t.latencies.push(started.elapsed());
                 t.acked.push((s, id.to_owned()));
-                if turn < t.max_acked_turn[s] {
-                    t.stale_accepted += 1;
-                }
-                t.max_acked_turn[s] = t.max_acked_turn[s].max(turn);
+                t.commits.push((s, r.json["version"].as_u64().unwrap_or(0), turn));
                 return;
             }
             Ok(r) if r.json["error"] == "stale_turn" => tally.lock().await.stale_rejected += 1,
@@ -145,6 +139,31 @@ async fn agent_turn(client: &JsonClient, session: &str, s: usize, id: &str, tall
             _ => return,
         }
     }
+}
+
+/// Writes accepted although an earlier-committed write (lower version) had a newer turn: the
+/// turn went backwards. Commit order is the version order, not the order answers arrived in.
+fn stale_accepted(commits: &[(usize, u64, u64)]) -> usize {
+    let mut sorted = commits.to_vec();
+    sorted.sort();
+    let mut count = 0;
+    let mut i = 0;
+    while i < sorted.len() {
+        let session = sorted[i].0;
+        let mut max_turn = 0;
+        while i < sorted.len() && sorted[i].0 == session {
+            let version = sorted[i].1;
+            let batch_max = max_turn;
+            while i < sorted.len() && sorted[i].0 == session && sorted[i].1 == version {
+                if sorted[i].2 < batch_max {
+                    count += 1;
+                }
+                max_turn = max_turn.max(sorted[i].2);
+                i += 1;
+            }
+        }
+    }
+    count
 }
 
 fn percentile(sorted: &[Duration], q: f64) -> f64 {

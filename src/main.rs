@@ -12,7 +12,11 @@ const EXIT_USAGE: u8 = 64;
 fn main() -> ExitCode {
     let cli = Cli::parse();
     // The demo prints a table; its in-process servers only log problems.
-    let default_level = if matches!(cli.command, Command::Demo(_)) { "error" } else { "info" };
+    let default_level = if matches!(cli.command, Command::Demo(_)) {
+        "error"
+    } else {
+        "info"
+    };
     turnlock::telemetry::init(default_level);
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,

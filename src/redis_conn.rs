@@ -31,7 +31,11 @@ pub struct RedisConn {
 struct Inner {
     source: Source,
     config: AsyncConnectionConfig,
-    current: Mutex<Option<(Client, MultiplexedConnection)>>,
+    /// The live connection: read on every command (a brief shared lock, never held across
+    /// an await), replaced after a failure.
+    current: std::sync::RwLock<Option<MultiplexedConnection>>,
+    /// Serializes reconnecting, so a burst of failures opens one new connection.
+    connecting: Mutex<()>,
     display: String,
 }
 
@@ -77,7 +81,8 @@ impl RedisConn {
             inner: Arc::new(Inner {
                 source,
                 config,
-                current: Mutex::new(None),
+                current: std::sync::RwLock::new(None),
+                connecting: Mutex::new(()),
                 display: redact(url),
             }),
         })
@@ -90,16 +95,25 @@ impl RedisConn {
 
     /// A connection to the current primary, connecting (or re-resolving it) when needed.
     pub async fn get(&self) -> Result<MultiplexedConnection, RedisError> {
-        let mut current = self.inner.current.lock().await;
-        if let Some((_, conn)) = current.as_ref() {
-            return Ok(conn.clone());
+        if let Some(conn) = self.current() {
+            return Ok(conn);
+        }
+        let _connecting = self.inner.connecting.lock().await;
+        if let Some(conn) = self.current() {
+            return Ok(conn);
         }
         let client = self.client().await?;
         let conn = client
             .get_multiplexed_async_connection_with_config(&self.inner.config)
             .await?;
-        *current = Some((client, conn.clone()));
+        if let Ok(mut current) = self.inner.current.write() {
+            *current = Some(conn.clone());
+        }
         Ok(conn)
+    }
+
+    fn current(&self) -> Option<MultiplexedConnection> {
+        self.inner.current.read().ok().and_then(|c| c.clone())
     }
 
     /// A client for the current primary (for dedicated connections such as pub/sub).
@@ -113,7 +127,9 @@ impl RedisConn {
     /// Forgets the current connection after an error, so the next command reconnects (and,
     /// with Sentinel, asks which server is the primary now).
     pub async fn reset(&self) {
-        *self.inner.current.lock().await = None;
+        if let Ok(mut current) = self.inner.current.write() {
+            *current = None;
+        }
     }
 
     /// Runs `f` on a connection; on an I/O-level failure the connection is dropped so the
@@ -123,7 +139,7 @@ impl RedisConn {
         F: FnOnce(MultiplexedConnection) -> Fut,
         Fut: std::future::Future<Output = Result<T, RedisError>>,
     {
-        let conn = self.get().await.inspect_err(|_| ())?;
+        let conn = self.get().await?;
         let result = f(conn).await;
         if let Err(e) = &result {
             if needs_reconnect(e) {

@@ -879,7 +879,12 @@ async fn sigterm_finishes_in_flight_writes_releases_locks_and_exits_zero() {
     tokio::time::sleep(Duration::from_millis(200)).await;
     proxy.signal("TERM");
     let r = write.await.expect("write task");
-    assert_eq!(r.status, StatusCode::CREATED, "the in-flight write was not finished: {}", r.json);
+    assert_eq!(
+        r.status,
+        StatusCode::CREATED,
+        "the in-flight write was not finished: {}",
+        r.json
+    );
     let mut exit = None;
     for _ in 0..100 {
         if let Some(status) = proxy.child.try_wait().expect("wait") {
@@ -890,8 +895,46 @@ async fn sigterm_finishes_in_flight_writes_releases_locks_and_exits_zero() {
     }
     let exit = exit.expect("proxy still running 5 s after SIGTERM");
     assert!(exit.success(), "exit status {exit:?}");
-    assert!(redis.keys("turnlock:session:*").is_empty(), "lock left behind at shutdown");
-    assert_eq!(message_ids(&get_doc(&client(store.addr), "term").await.json), ["in-flight"]);
+    assert!(
+        redis.keys("turnlock:session:*").is_empty(),
+        "lock left behind at shutdown"
+    );
+    assert_eq!(
+        message_ids(&get_doc(&client(store.addr), "term").await.json),
+        ["in-flight"]
+    );
     // New connections are refused once it is gone.
     assert!(std::net::TcpStream::connect(("127.0.0.1", port)).is_err());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn coalesced_writes_report_the_version_the_store_holds() {
+    let s = stack().await;
+    let mut tasks = Vec::new();
+    for i in 0..32 {
+        let agent = s.agent.clone();
+        tasks.push(tokio::spawn(async move {
+            append(&agent, "co", 1, &[&format!("m{i}")]).await
+        }));
+    }
+    let mut versions = std::collections::BTreeSet::new();
+    let mut acked = 0;
+    for t in tasks {
+        let r = t.await.expect("task");
+        if r.status.is_success() {
+            acked += 1;
+            versions.insert(r.json["version"].as_u64().expect("version"));
+            assert_eq!(r.headers["etag"], format!("\"{}\"", r.json["version"]));
+        }
+    }
+    let doc = get_doc(&s.direct, "co").await;
+    let stored = doc.json["version"].as_u64().expect("stored version");
+    assert_eq!(message_ids(&doc.json).len(), acked);
+    // Every commit is one version: the answers name exactly the versions the store went through.
+    assert_eq!(versions.iter().copied().max(), Some(stored));
+    assert_eq!(
+        versions.len() as u64,
+        stored,
+        "versions answered {versions:?}, store at {stored}"
+    );
 }

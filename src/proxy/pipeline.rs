@@ -424,7 +424,7 @@ async fn merge_batch(s: &Shared, queue: &Queue, lease: &Lease, batch: &[Pending]
                 })
                 .collect()
         };
-        let Some(next) = doc.filter(|_| results.iter().any(Result::is_ok)) else {
+        let Some(mut next) = doc.filter(|_| results.iter().any(Result::is_ok)) else {
             return refusals(
                 results,
                 &Answer::error(StatusCode::INTERNAL_SERVER_ERROR, "internal", "nothing to write", None),
@@ -439,7 +439,9 @@ async fn merge_batch(s: &Shared, queue: &Queue, lease: &Lease, batch: &[Pending]
                 ),
             );
         }
-        let new_version = merge::version_of(&next);
+        // One write-back: the whole batch is one new version, whatever it merged.
+        let new_version = current_version + 1;
+        next.insert("version".into(), json!(new_version));
         let fenced = fetched.etag.is_none();
         let precondition = match (&current, fetched.etag) {
             (None, _) => Precondition::Absent,
