@@ -74,6 +74,15 @@ pub struct ProxyArgs {
     /// How long one Redis command may take before the connection is treated as broken.
     #[arg(long, env = "TURNLOCK_REDIS_TIMEOUT_MS", default_value_t = 500)]
     pub redis_timeout_ms: u64,
+    /// Replicas that must acknowledge a lock grant (Redis `WAIT`, on a connection of its
+    /// own) before the holder writes; 0 does not wait. With a replica, a failover cannot lose
+    /// a grant the holder acted on; each grant costs one more round trip to the replica.
+    #[arg(long, env = "TURNLOCK_REDIS_WAIT_REPLICAS", default_value_t = 0)]
+    pub redis_wait_replicas: u32,
+    /// How long a grant waits for its replica acknowledgements, in milliseconds; a grant not
+    /// acknowledged in time is given back and the write answered `lock_unavailable`.
+    #[arg(long, env = "TURNLOCK_REDIS_WAIT_TIMEOUT_MS", default_value_t = 50)]
+    pub redis_wait_timeout_ms: u64,
     /// Most writes merged into one read-merge-write.
     #[arg(long, env = "TURNLOCK_MAX_BATCH", default_value_t = 128)]
     pub max_batch: usize,
@@ -134,6 +143,12 @@ impl ProxyArgs {
         if self.lock_ttl_ms < 10 {
             return err("--lock-ttl-ms must be at least 10");
         }
+        if self.redis_wait_replicas > 0 && (self.redis.is_none() || self.redis_wait_timeout_ms == 0) {
+            return err("--redis-wait-replicas needs --redis and a positive --redis-wait-timeout-ms");
+        }
+        if self.redis_wait_replicas > 0 && self.redis_wait_timeout_ms >= self.lock_ttl_ms {
+            return err("--redis-wait-timeout-ms must be shorter than --lock-ttl-ms");
+        }
         if self.max_body_bytes == 0 || self.max_batch == 0 {
             return err("--max-body-bytes and --max-batch must be positive");
         }
@@ -167,6 +182,8 @@ impl ProxyArgs {
             history_ttl_secs: 600,
             upstream_timeout_ms: 5000,
             redis_timeout_ms: 500,
+            redis_wait_replicas: 0,
+            redis_wait_timeout_ms: 50,
             max_batch: 128,
             shutdown_grace_ms: 10_000,
         }

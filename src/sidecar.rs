@@ -57,7 +57,13 @@ pub async fn start(args: ProxyArgs) -> Result<Running, ConfigError> {
             let conn = RedisConn::open(url, Duration::from_millis(args.redis_timeout_ms))
                 .map_err(|e| ConfigError(e.to_string()))?;
             tracing::info!(redis = conn.display(), "locks, fences and idempotency records in Redis");
-            let locks = RedisLocks::new(conn.clone(), keys.clone(), settings, metrics.clone());
+            let mut locks = RedisLocks::new(conn.clone(), keys.clone(), settings, metrics.clone());
+            if args.redis_wait_replicas > 0 {
+                let wait = Duration::from_millis(args.redis_wait_timeout_ms);
+                let wait_conn = RedisConn::open(url, Duration::from_millis(args.redis_timeout_ms) + wait)
+                    .map_err(|e| ConfigError(e.to_string()))?;
+                locks = locks.with_replica_wait(wait_conn, args.redis_wait_replicas, wait);
+            }
             (Locks::Redis(locks.into()), Records::Redis(conn))
         }
         None => {

@@ -31,6 +31,7 @@ struct Scripts {
 
 pub struct RedisLocks {
     pub(super) settings: LockSettings,
+    replica_wait: Option<ReplicaWait>,
     pub(super) metrics: Metrics,
     pub(super) held: DashMap<String, String>,
     conn: RedisConn,
@@ -38,6 +39,14 @@ pub struct RedisLocks {
     scripts: Scripts,
     watchers: Arc<DashMap<String, Arc<Watcher>>>,
     subscriptions: mpsc::UnboundedSender<Subscription>,
+}
+
+/// Grants go through a connection of their own, followed by `WAIT`: a blocking `WAIT` on the
+/// shared multiplexed connection would hold up every other command behind it.
+struct ReplicaWait {
+    conn: RedisConn,
+    replicas: u32,
+    timeout: Duration,
 }
 
 struct Watcher {
@@ -57,6 +66,7 @@ impl RedisLocks {
         tokio::spawn(pubsub_loop(conn.clone(), watchers.clone(), rx));
         Self {
             settings,
+            replica_wait: None,
             metrics,
             held: DashMap::new(),
             conn,
@@ -74,6 +84,17 @@ impl RedisLocks {
         }
     }
 
+    /// Makes every grant wait until `replicas` replicas acknowledged it (Redis `WAIT`), on
+    /// `conn`, a connection used for nothing else.
+    pub fn with_replica_wait(mut self, conn: RedisConn, replicas: u32, timeout: Duration) -> Self {
+        self.replica_wait = Some(ReplicaWait {
+            conn,
+            replicas,
+            timeout,
+        });
+        self
+    }
+
     pub fn conn(&self) -> &RedisConn {
         &self.conn
     }
@@ -81,8 +102,11 @@ impl RedisLocks {
     pub(super) async fn try_acquire(&self, key: &str, fence_key: &str, token: &str) -> Result<Attempt, LockError> {
         let lease_ms = self.settings.lease.as_millis() as u64;
         let script = &self.scripts.acquire;
-        let reply: (i64, i64) = self
-            .conn
+        let conn = match &self.replica_wait {
+            Some(w) => &w.conn,
+            None => &self.conn,
+        };
+        let reply: (i64, i64) = conn
             .run(|mut c| async move {
                 script
                     .key(key)
@@ -95,6 +119,9 @@ impl RedisLocks {
             })
             .await
             .map_err(backend)?;
+        if let (Some(w), (1, _)) = (&self.replica_wait, reply) {
+            self.wait_for_replicas(w, key, token).await?;
+        }
         Ok(match reply {
             (1, fence) => Attempt::Granted {
                 fence: fence.max(0) as u64,
@@ -103,6 +130,33 @@ impl RedisLocks {
                 remaining: Duration::from_millis(pttl.max(1) as u64),
             },
         })
+    }
+
+    /// Waits until the grant just made on `w.conn` reached enough replicas; gives it back
+    /// when it did not, so that no write is made under a grant a failover could forget.
+    async fn wait_for_replicas(&self, w: &ReplicaWait, key: &str, token: &str) -> Result<(), LockError> {
+        let (replicas, timeout_ms) = (w.replicas, w.timeout.as_millis() as u64);
+        let acked: Result<i64, redis::RedisError> = w
+            .conn
+            .run(|mut c| async move {
+                redis::cmd("WAIT")
+                    .arg(replicas)
+                    .arg(timeout_ms)
+                    .query_async(&mut c)
+                    .await
+            })
+            .await;
+        let acked = match acked {
+            Ok(n) if n >= i64::from(replicas) => return Ok(()),
+            Ok(n) => n.to_string(),
+            Err(e) => e.to_string(),
+        };
+        if let Err(e) = self.release(key, token).await {
+            tracing::warn!(%key, error = %e, "unacknowledged grant not given back; it expires with its lease");
+        }
+        Err(LockError::Backend(format!(
+            "lock grant not acknowledged by {replicas} replica(s) within {timeout_ms} ms (acknowledged: {acked})"
+        )))
     }
 
     pub(super) fn watch(&self, key: &str) -> Wake {
