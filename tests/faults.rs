@@ -67,7 +67,7 @@ async fn write_until_acked(
     false
 }
 
-/// 1. A proxy process is paused (SIGSTOP) with a write in flight, for longer than the lease;
+/// Fault 1: A proxy process is paused (SIGSTOP) with a write in flight, for longer than the lease;
 /// the others carry on; its late write must be refused, not applied over newer data.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn paused_holder_late_write_is_refused() {
@@ -92,7 +92,14 @@ async fn paused_holder_late_write_is_refused() {
     a.proc.signal("STOP");
 
     // Others carry on while A is paused, past its lease.
-    let writers = Writers::start("paused", vec![bc.clone()], all[1..].to_vec(), 4, 400, Duration::from_secs(30));
+    let writers = Writers::start(
+        "paused",
+        vec![bc.clone()],
+        all[1..].to_vec(),
+        4,
+        400,
+        Duration::from_secs(30),
+    );
     tokio::time::sleep(lease() * 3).await;
     assert!(write_until_acked(&bc, &main, &target, 1, "paused-same-turn").await);
     assert!(write_until_acked(&bc, &main, &target, 2, "paused-turn-2").await);
@@ -122,16 +129,18 @@ async fn paused_holder_late_write_is_refused() {
     let doc = get_doc(&client(store.addr), &target).await.json;
     assert_eq!(doc["turn"], 3, "the stored turn moved backwards: {doc}");
     assert!(
-        eventually(lease() * 4, Duration::from_millis(50), || async { lock_keys(&redis).is_empty() })
-            .await
-            .is_some(),
+        eventually(lease() * 4, Duration::from_millis(50), || async {
+            lock_keys(&redis).is_empty()
+        })
+        .await
+        .is_some(),
         "locks left behind: {:?}",
         lock_keys(&redis)
     );
     b.stop().await;
 }
 
-/// 2. A proxy is killed (SIGKILL) while holding locks; the other proxies obtain those sessions
+/// Fault 2: A proxy is killed (SIGKILL) while holding locks; the other proxies obtain those sessions
 /// once the lease expires, with no manual cleanup, and the dead holder's in-flight writes,
 /// delivered late, change nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -158,12 +167,26 @@ async fn crashed_holder_locks_are_taken_over_after_the_lease() {
             append(&ac, &s, 1, &format!("{s}-dead"), true, &[]).await
         }));
     }
-    assert!(relay.wait_held(held.len(), Duration::from_secs(10)).await, "A never held the locks");
-    assert!(lock_keys(&redis).len() >= held.len(), "A holds no lock: {:?}", lock_keys(&redis));
+    assert!(
+        relay.wait_held(held.len(), Duration::from_secs(10)).await,
+        "A never held the locks"
+    );
+    assert!(
+        lock_keys(&redis).len() >= held.len(),
+        "A holds no lock: {:?}",
+        lock_keys(&redis)
+    );
     a.proc.signal("KILL");
 
     // The dead holder's sessions are written below, at the turn whose lock it held.
-    let writers = Writers::start("crashed", vec![bc.clone()], all[3..].to_vec(), 4, 400, Duration::from_secs(30));
+    let writers = Writers::start(
+        "crashed",
+        vec![bc.clone()],
+        all[3..].to_vec(),
+        4,
+        400,
+        Duration::from_secs(30),
+    );
     let mut took_over = Vec::new();
     for s in &held {
         let took = eventually(lease() * 10, Duration::from_millis(20), || async {
@@ -176,7 +199,10 @@ async fn crashed_holder_locks_are_taken_over_after_the_lease() {
             ok
         })
         .await;
-        assert!(took.is_some(), "session {s} was never obtained again after the holder died");
+        assert!(
+            took.is_some(),
+            "session {s} was never obtained again after the holder died"
+        );
         took_over.push(took.unwrap_or_default());
     }
     eprintln!("sessions of the killed holder obtained again after {took_over:?} (lease {LEASE_MS} ms)");
@@ -204,16 +230,18 @@ async fn crashed_holder_locks_are_taken_over_after_the_lease() {
         );
     }
     assert!(
-        eventually(lease() * 4, Duration::from_millis(50), || async { lock_keys(&redis).is_empty() })
-            .await
-            .is_some(),
+        eventually(lease() * 4, Duration::from_millis(50), || async {
+            lock_keys(&redis).is_empty()
+        })
+        .await
+        .is_some(),
         "locks left behind: {:?}",
         lock_keys(&redis)
     );
     b.stop().await;
 }
 
-/// 3. Redis restarts (empty) under load: writes fail cleanly while it is down, `/readyz`
+/// Fault 3: Redis restarts (empty) under load: writes fail cleanly while it is down, `/readyz`
 /// says not ready, and the proxies recover on their own once it is back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_restart_fails_writes_cleanly_and_recovers() {
@@ -224,7 +252,14 @@ async fn redis_restart_fails_writes_cleanly_and_recovers() {
     let p2 = proxy(args(&up, &redis.url())).await;
     let (c1, c2) = (client(p1.addr), client(p2.addr));
     let all = sessions("restart", 6);
-    let writers = Writers::start("restart", vec![c1.clone(), c2.clone()], all.clone(), 6, 2000, Duration::from_secs(60));
+    let writers = Writers::start(
+        "restart",
+        vec![c1.clone(), c2.clone()],
+        all.clone(),
+        6,
+        2000,
+        Duration::from_secs(60),
+    );
     tokio::time::sleep(Duration::from_secs(1)).await;
 
     redis.kill();
@@ -237,7 +272,11 @@ async fn redis_restart_fails_writes_cleanly_and_recovers() {
         let r = append(c, &all[0], 1_000, &format!("restart-probe-{i}"), true, &[])
             .await
             .expect("the proxy answers while Redis is down");
-        assert!(r.status.is_server_error(), "a write was answered {} with Redis down", r.status);
+        assert!(
+            r.status.is_server_error(),
+            "a write was answered {} with Redis down",
+            r.status
+        );
         assert!(r.json["error"].is_string(), "no JSON error: {}", r.json);
     }
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -259,12 +298,17 @@ async fn redis_restart_fails_writes_cleanly_and_recovers() {
     let ledger = writers.finish().await;
     let counts = check(store.addr, &all, &[&ledger]).await;
     report("Redis restart under load", &counts);
-    assert!(counts.clean(), "{counts:?} (unexplained includes probes written while Redis was down)");
+    assert!(
+        counts.clean(),
+        "{counts:?} (unexplained includes probes written while Redis was down)"
+    );
     assert!(ledger.acked_count() > 0);
     assert!(
-        eventually(lease() * 4, Duration::from_millis(50), || async { lock_keys(&redis).is_empty() })
-            .await
-            .is_some(),
+        eventually(lease() * 4, Duration::from_millis(50), || async {
+            lock_keys(&redis).is_empty()
+        })
+        .await
+        .is_some(),
         "locks left behind: {:?}",
         lock_keys(&redis)
     );
@@ -272,7 +316,7 @@ async fn redis_restart_fails_writes_cleanly_and_recovers() {
     p2.stop().await;
 }
 
-/// 6. The network between one proxy and Redis is cut: first blackholed (nothing answers),
+/// Fault 6: The network between one proxy and Redis is cut: first blackholed (nothing answers),
 /// then every connection dropped. Same guarantees as a Redis restart.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn network_cut_to_redis_fails_writes_cleanly_and_recovers() {
@@ -284,7 +328,14 @@ async fn network_cut_to_redis_fails_writes_cleanly_and_recovers() {
     let p2 = proxy(args(&up, &redis.url())).await;
     let (c1, c2) = (client(p1.addr), client(p2.addr));
     let all = sessions("netcut", 6);
-    let writers = Writers::start("netcut", vec![c1.clone(), c2.clone()], all.clone(), 6, 3000, Duration::from_secs(60));
+    let writers = Writers::start(
+        "netcut",
+        vec![c1.clone(), c2.clone()],
+        all.clone(),
+        6,
+        3000,
+        Duration::from_secs(60),
+    );
     tokio::time::sleep(Duration::from_millis(500)).await;
 
     for (n, link) in [Link::Blackhole, Link::Refuse].into_iter().enumerate() {
@@ -297,7 +348,11 @@ async fn network_cut_to_redis_fails_writes_cleanly_and_recovers() {
         let r = append(&c1, &all[0], 1_000, &format!("netcut-probe-{n}"), true, &[])
             .await
             .expect("the proxy answers while cut off");
-        assert!(r.status.is_server_error(), "a write was answered {} while cut off ({link:?})", r.status);
+        assert!(
+            r.status.is_server_error(),
+            "a write was answered {} while cut off ({link:?})",
+            r.status
+        );
         // The other proxy is not affected.
         assert_eq!(readyz(p2.admin).await, 200);
         tokio::time::sleep(Duration::from_secs(1)).await;
@@ -318,9 +373,11 @@ async fn network_cut_to_redis_fails_writes_cleanly_and_recovers() {
     assert!(counts.clean(), "{counts:?}");
     assert!(ledger.acked_count() > 0);
     assert!(
-        eventually(lease() * 4, Duration::from_millis(50), || async { lock_keys(&redis).is_empty() })
-            .await
-            .is_some(),
+        eventually(lease() * 4, Duration::from_millis(50), || async {
+            lock_keys(&redis).is_empty()
+        })
+        .await
+        .is_some(),
         "locks left behind: {:?}",
         lock_keys(&redis)
     );
@@ -328,7 +385,7 @@ async fn network_cut_to_redis_fails_writes_cleanly_and_recovers() {
     p2.stop().await;
 }
 
-/// 5. The store is slow (longer than the lease), fails with 5xx, resets the connection, or
+/// Fault 5: The store is slow (longer than the lease), fails with 5xx, resets the connection, or
 /// never answers: the sidecar renews or aborts, answers a clear 5xx, never acknowledges an
 /// unconfirmed write, and leaves no lock behind.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -342,7 +399,14 @@ async fn slow_and_failing_upstream_never_acknowledges_unconfirmed_writes() {
     let healthy = proxy(args(&format!("http://{}", store.addr), &redis.url())).await;
     let (fc, hc) = (client(faulty.addr), client(healthy.addr));
     let others = sessions("upstream-other", 4);
-    let writers = Writers::start("upstream", vec![hc.clone()], others.clone(), 3, 3000, Duration::from_secs(60));
+    let writers = Writers::start(
+        "upstream",
+        vec![hc.clone()],
+        others.clone(),
+        3,
+        3000,
+        Duration::from_secs(60),
+    );
     let main = Ledger::default();
     let hint = AtomicU64::new(0);
     let sc = client(store.addr);
@@ -408,7 +472,7 @@ async fn slow_and_failing_upstream_never_acknowledges_unconfirmed_writes() {
     healthy.stop().await;
 }
 
-/// 7. The agent retries after losing the answer to a write that did land (`Idempotency-Key`):
+/// Fault 7: The agent retries after losing the answer to a write that did land (`Idempotency-Key`):
 /// each write is applied exactly once. Messages carry no id, so only the idempotency record
 /// can tell a retry from a new write.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -448,7 +512,10 @@ async fn client_retries_with_idempotency_key_apply_once() {
         }));
     }
     for t in tasks {
-        tokio::time::timeout(Duration::from_secs(120), t).await.expect("bounded").expect("task");
+        tokio::time::timeout(Duration::from_secs(120), t)
+            .await
+            .expect("bounded")
+            .expect("task");
     }
     let counts = check(store.addr, &all, &[&ledger]).await;
     report("client retries after a lost answer (Idempotency-Key)", &counts);
@@ -457,8 +524,14 @@ async fn client_retries_with_idempotency_key_apply_once() {
         relay.lost_responses(),
         replayed.load(Ordering::SeqCst)
     );
-    assert!(relay.lost_responses() > 0, "no answer was lost: the fault did not happen");
-    assert!(replayed.load(Ordering::SeqCst) > 0, "no retry was answered from its record");
+    assert!(
+        relay.lost_responses() > 0,
+        "no answer was lost: the fault did not happen"
+    );
+    assert!(
+        replayed.load(Ordering::SeqCst) > 0,
+        "no retry was answered from its record"
+    );
     assert_eq!(counts.acknowledged, 150, "every write is acknowledged in the end");
     assert!(counts.clean(), "{counts:?}");
     p.stop().await;
@@ -489,7 +562,15 @@ async fn batched_writes_answer_the_version_the_store_holds() {
     versions.dedup();
     let doc = get_doc(&client(store.addr), "batched").await.json;
     assert_eq!(message_ids(&doc).len(), 24);
-    assert_eq!(doc["version"].as_u64(), versions.last().copied(), "answers name versions the store never had: {versions:?}");
-    assert_eq!(versions, (1..=versions.len() as u64).collect::<Vec<_>>(), "each commit is one version");
+    assert_eq!(
+        doc["version"].as_u64(),
+        versions.last().copied(),
+        "answers name versions the store never had: {versions:?}"
+    );
+    assert_eq!(
+        versions,
+        (1..=versions.len() as u64).collect::<Vec<_>>(),
+        "each commit is one version"
+    );
     p.stop().await;
 }

@@ -1,4 +1,4 @@
-//! 4. Redis failover through Sentinel at a moment when a lock grant was not yet replicated:
+//! Fault 4, Redis failover through Sentinel at a moment when a lock grant was not yet replicated:
 //! the promoted replica grants the same lock to a second writer while the first still
 //! believes it holds it; the version check at the store keeps the first one's late write from
 //! losing the second one's update. Also: `--redis-wait-replicas` refuses to write under a
@@ -146,9 +146,11 @@ async fn sentinel_failover_with_unreplicated_grant_loses_no_update() {
     );
     let sentinel = Sentinel::start(primary.port);
     assert!(
-        eventually(Duration::from_secs(20), Duration::from_millis(100), || async { sentinel.replicas() == 1 })
-            .await
-            .is_some(),
+        eventually(Duration::from_secs(20), Duration::from_millis(100), || async {
+            sentinel.replicas() == 1
+        })
+        .await
+        .is_some(),
         "the sentinel never discovered the replica"
     );
 
@@ -177,14 +179,25 @@ async fn sentinel_failover_with_unreplicated_grant_loses_no_update() {
     let seed = append(&bc, &target, 1, "failover-seed", true, &[]).await.expect("seed");
     assert!(seed.status.is_success());
     record(&main, &hint, &target, 1, "failover-seed", Ok(seed));
-    let writers = Writers::start("failover", vec![bc.clone()], others.clone(), 3, 3000, Duration::from_secs(90));
+    let writers = Writers::start(
+        "failover",
+        vec![bc.clone()],
+        others.clone(),
+        3,
+        3000,
+        Duration::from_secs(90),
+    );
 
     // Replication stalls: grants from now on exist on the primary only.
     repl_link.set_link(Link::Blackhole);
     let refused = append(&wc, &target, 1, "failover-unacked-grant", true, &[])
         .await
         .expect("answer");
-    assert_eq!(refused.status, 503, "a write went ahead under an unreplicated grant: {}", refused.json);
+    assert_eq!(
+        refused.status, 503,
+        "a write went ahead under an unreplicated grant: {}",
+        refused.json
+    );
     assert_eq!(refused.json["error"], "lock_unavailable");
     main.unknown(&target, "failover-unacked-grant");
 
@@ -193,7 +206,10 @@ async fn sentinel_failover_with_unreplicated_grant_loses_no_update() {
     let t = target.clone();
     let ac2 = ac.clone();
     let first = tokio::spawn(async move { append(&ac2, &t, 1, "failover-first", true, &[]).await });
-    assert!(store_relay.wait_held(1, Duration::from_secs(10)).await, "A never wrote back");
+    assert!(
+        store_relay.wait_held(1, Duration::from_secs(10)).await,
+        "A never wrote back"
+    );
     let lock_key = format!("turnlock:session:{target}:1");
     assert_eq!(primary.keys(&lock_key).len(), 1, "A's grant is not on the primary");
 
@@ -205,8 +221,14 @@ async fn sentinel_failover_with_unreplicated_grant_loses_no_update() {
     })
     .await;
     assert!(promoted.is_some(), "the replica was never promoted");
-    eprintln!("replica promoted {:?} after the primary died", promoted.unwrap_or_default());
-    assert!(replica.keys(&lock_key).is_empty(), "the grant was replicated after all: the scenario did not happen");
+    eprintln!(
+        "replica promoted {:?} after the primary died",
+        promoted.unwrap_or_default()
+    );
+    assert!(
+        replica.keys(&lock_key).is_empty(),
+        "the grant was replicated after all: the scenario did not happen"
+    );
 
     // B follows the new primary and is granted the same lock: two writers believe they hold it.
     let second = eventually(Duration::from_secs(20), Duration::from_millis(50), || async {
@@ -238,14 +260,19 @@ async fn sentinel_failover_with_unreplicated_grant_loses_no_update() {
     );
     assert!(counts.clean(), "{counts:?}");
     let ids = message_ids(&get_doc(&client(store.addr), &target).await.json);
-    assert!(ids.contains(&"failover-second".to_owned()), "B's acknowledged write was lost: {ids:?}");
+    assert!(
+        ids.contains(&"failover-second".to_owned()),
+        "B's acknowledged write was lost: {ids:?}"
+    );
     assert!(ledger.acked_count() > 0);
     // The proxies follow the new primary on their own.
     for admin in [a.admin, b.admin] {
         assert!(
-            eventually(Duration::from_secs(10), Duration::from_millis(100), || async { readyz(admin).await == 200 })
-                .await
-                .is_some(),
+            eventually(Duration::from_secs(10), Duration::from_millis(100), || async {
+                readyz(admin).await == 200
+            })
+            .await
+            .is_some(),
             "a proxy did not become ready again on the new primary"
         );
     }

@@ -27,14 +27,15 @@ fn any_json() -> impl Strategy<Value = Value> {
         any::<bool>().prop_map(Value::from),
         any::<i64>().prop_map(Value::from),
         any::<u64>().prop_map(Value::from),
-        any::<f64>().prop_map(|f| serde_json::Number::from_f64(f).map(Value::Number).unwrap_or(Value::Null)),
+        any::<f64>().prop_map(|f| serde_json::Number::from_f64(f)
+            .map(Value::Number)
+            .unwrap_or(Value::Null)),
         ".{0,12}".prop_map(Value::from),
     ];
     leaf.prop_recursive(3, 24, 4, |inner| {
         prop_oneof![
             prop::collection::vec(inner.clone(), 0..4).prop_map(Value::Array),
-            prop::collection::btree_map("[a-z]{1,6}", inner, 0..4)
-                .prop_map(|m| Value::Object(m.into_iter().collect())),
+            prop::collection::btree_map("[a-z]{1,6}", inner, 0..4).prop_map(|m| Value::Object(m.into_iter().collect())),
         ]
     })
 }
@@ -101,14 +102,30 @@ impl IdSource for Counter {
 
 #[derive(Clone, Debug)]
 enum Step {
-    Append { ids: Vec<Option<u8>> },
-    Patch { field: String, value: Value },
-    Compact { through: u8 },
-    Put { ids: Vec<u8>, field: String, value: Value, stale_base: bool },
+    Append {
+        ids: Vec<Option<u8>>,
+    },
+    Patch {
+        field: String,
+        value: Value,
+    },
+    Compact {
+        through: u8,
+    },
+    Put {
+        ids: Vec<u8>,
+        field: String,
+        value: Value,
+        stale_base: bool,
+    },
 }
 
 fn step() -> impl Strategy<Value = Step> {
-    let field = prop_oneof![Just("state".to_owned()), Just("title".to_owned()), Just("meta".to_owned())];
+    let field = prop_oneof![
+        Just("state".to_owned()),
+        Just("title".to_owned()),
+        Just("meta".to_owned())
+    ];
     prop_oneof![
         4 => prop::collection::vec(prop::option::of(0u8..24), 0..4).prop_map(|ids| Step::Append { ids }),
         2 => (field.clone(), any_json()).prop_map(|(field, value)| Step::Patch { field, value }),
@@ -247,7 +264,8 @@ fn body_strategy() -> impl Strategy<Value = Vec<u8>> {
     prop_oneof![
         prop::collection::vec(any::<u8>(), 0..64),
         any_json().prop_map(|v| serde_json::to_vec(&v).unwrap_or_default()),
-        (any_json(), any_json()).prop_map(|(t, m)| serde_json::to_vec(&json!({"turn": t, "messages": m})).unwrap_or_default()),
+        (any_json(), any_json())
+            .prop_map(|(t, m)| serde_json::to_vec(&json!({"turn": t, "messages": m})).unwrap_or_default()),
         (0u64..4, prop::collection::vec(any_json(), 0..3))
             .prop_map(|(t, m)| serde_json::to_vec(&json!({"turn": t, "messages": m})).unwrap_or_default()),
     ]

@@ -85,7 +85,10 @@ async fn hostile_requests_get_clear_4xx_and_leave_nothing_behind() {
 
     let w = "/v1/sessions/hostile/messages";
     let ok_body = r#"{"turn": 1, "messages": [{"id": "x", "content": "x"}]}"#;
-    let big = format!(r#"{{"turn": 1, "messages": [{{"content": "{}"}}]}}"#, "a".repeat(MAX_BODY));
+    let big = format!(
+        r#"{{"turn": 1, "messages": [{{"content": "{}"}}]}}"#,
+        "a".repeat(MAX_BODY)
+    );
     let long_id = format!("/v1/sessions/{}/messages", "s".repeat(300));
     let huge_header = "v".repeat(100 * 1024);
     let mut chunked_big = String::new();
@@ -95,53 +98,271 @@ async fn hostile_requests_get_clear_4xx_and_leave_nothing_behind() {
     chunked_big.push_str("0\r\n\r\n");
     // (case, request, expected status, expected error code; "" when the HTTP layer answers)
     let cases: Vec<(&str, Vec<u8>, u16, &str)> = vec![
-        ("malformed JSON", request("POST", w, &[JSON], r#"{"turn": 1, "messages": ["#), 400, "malformed_json"),
-        ("truncated JSON", request("POST", w, &[JSON], r#"{"turn":1,"mess"#), 400, "malformed_json"),
-        ("not an object", request("POST", w, &[JSON], "[1,2,3]"), 400, "invalid_body"),
+        (
+            "malformed JSON",
+            request("POST", w, &[JSON], r#"{"turn": 1, "messages": ["#),
+            400,
+            "malformed_json",
+        ),
+        (
+            "truncated JSON",
+            request("POST", w, &[JSON], r#"{"turn":1,"mess"#),
+            400,
+            "malformed_json",
+        ),
+        (
+            "not an object",
+            request("POST", w, &[JSON], "[1,2,3]"),
+            400,
+            "invalid_body",
+        ),
         ("empty body", request("POST", w, &[JSON], ""), 400, "malformed_json"),
-        ("text/plain", request("POST", w, &[("content-type", "text/plain")], ok_body), 415, "unsupported_media_type"),
-        ("no content type", request("POST", w, &[], ok_body), 415, "unsupported_media_type"),
-        ("form content type", request("POST", w, &[("content-type", "application/x-www-form-urlencoded")], ok_body), 415, "unsupported_media_type"),
-        ("missing turn", request("POST", w, &[JSON], r#"{"messages": []}"#), 400, "missing_turn"),
-        ("negative turn", request("POST", w, &[JSON], r#"{"turn": -1, "messages": []}"#), 400, "invalid_turn"),
-        ("fractional turn", request("POST", w, &[JSON], r#"{"turn": 1.5, "messages": []}"#), 400, "invalid_turn"),
-        ("huge turn", request("POST", w, &[JSON], r#"{"turn": 18446744073709551616, "messages": []}"#), 400, "invalid_turn"),
-        ("turn past 2^53", request("POST", w, &[JSON], r#"{"turn": 9007199254740993, "messages": []}"#), 400, "invalid_turn"),
-        ("turn 1e300", request("POST", w, &[JSON], r#"{"turn": 1e300, "messages": []}"#), 400, "invalid_turn"),
-        ("turn as string", request("POST", w, &[JSON], r#"{"turn": "7", "messages": []}"#), 400, "invalid_turn"),
-        ("turn null", request("POST", w, &[JSON], r#"{"turn": null, "messages": []}"#), 400, "invalid_turn"),
-        ("header turn not a number", request("POST", w, &[JSON, ("x-session-turn", "abc")], r#"{"messages": []}"#), 400, "invalid_turn"),
-        ("header turn negative", request("POST", w, &[JSON, ("x-session-turn", "-3")], r#"{"messages": []}"#), 400, "invalid_turn"),
-        ("turns disagree", request("POST", w, &[JSON, ("x-session-turn", "2")], r#"{"turn": 1, "messages": []}"#), 400, "turn_mismatch"),
-        ("messages not an array", request("POST", w, &[JSON], r#"{"turn": 1, "messages": "hi"}"#), 400, "invalid_messages"),
-        ("patch sets messages", request("PATCH", "/v1/sessions/hostile", &[("content-type", "application/merge-patch+json")], r#"{"turn": 1, "messages": []}"#), 400, "forbidden_field"),
-        ("replace without If-Match", request("PUT", "/v1/sessions/hostile", &[JSON, ("x-context-replace", "true")], r#"{"turn": 1}"#), 428, "precondition_required"),
-        ("garbage If-Match", request("PUT", "/v1/sessions/hostile", &[JSON, ("x-context-replace", "true"), ("if-match", "\"abc")], r#"{"turn": 1}"#), 400, "invalid_if_match"),
-        ("id with ':'", request("POST", "/v1/sessions/a:b/messages", &[JSON], ok_body), 400, "invalid_session_id"),
-        ("id with '*'", request("POST", "/v1/sessions/a*/messages", &[JSON], ok_body), 400, "invalid_session_id"),
-        ("id with '['", request("POST", "/v1/sessions/a[/messages", &[JSON], ok_body), 400, "invalid_session_id"),
-        ("id '..'", request("POST", "/v1/sessions/../messages", &[JSON], ok_body), 400, "invalid_session_id"),
-        ("id with %2F", request("POST", "/v1/sessions/a%2Fb/messages", &[JSON], ok_body), 400, "invalid_session_id"),
-        ("id %2e%2e", request("POST", "/v1/sessions/%2e%2e/messages", &[JSON], ok_body), 400, "invalid_session_id"),
-        ("id with %3F", request("POST", "/v1/sessions/a%3F/messages", &[JSON], ok_body), 400, "invalid_session_id"),
-        ("id with %00", request("POST", "/v1/sessions/a%00/messages", &[JSON], ok_body), 400, "invalid_session_id"),
-        ("id with a space", request("POST", "/v1/sessions/a%20b/messages", &[JSON], ok_body), 400, "invalid_session_id"),
-        ("unicode id (encoded)", request("POST", "/v1/sessions/s%C3%A9/messages", &[JSON], ok_body), 400, "invalid_session_id"),
-        ("id of 300 bytes", request("POST", &long_id, &[JSON], ok_body), 400, "invalid_session_id"),
-        ("Idempotency-Key too long", request("POST", w, &[JSON, ("idempotency-key", &"k".repeat(300))], ok_body), 400, "invalid_idempotency_key"),
-        ("declared body over the limit", request("POST", w, &[JSON], &big), 413, "body_too_large"),
-        ("chunked body over the limit", request("POST", w, &[JSON, ("transfer-encoding", "chunked")], &chunked_big), 413, "body_too_large"),
-        ("huge header value", request("POST", w, &[JSON, ("x-junk", &huge_header)], ok_body), 431, ""),
+        (
+            "text/plain",
+            request("POST", w, &[("content-type", "text/plain")], ok_body),
+            415,
+            "unsupported_media_type",
+        ),
+        (
+            "no content type",
+            request("POST", w, &[], ok_body),
+            415,
+            "unsupported_media_type",
+        ),
+        (
+            "form content type",
+            request(
+                "POST",
+                w,
+                &[("content-type", "application/x-www-form-urlencoded")],
+                ok_body,
+            ),
+            415,
+            "unsupported_media_type",
+        ),
+        (
+            "missing turn",
+            request("POST", w, &[JSON], r#"{"messages": []}"#),
+            400,
+            "missing_turn",
+        ),
+        (
+            "negative turn",
+            request("POST", w, &[JSON], r#"{"turn": -1, "messages": []}"#),
+            400,
+            "invalid_turn",
+        ),
+        (
+            "fractional turn",
+            request("POST", w, &[JSON], r#"{"turn": 1.5, "messages": []}"#),
+            400,
+            "invalid_turn",
+        ),
+        (
+            "huge turn",
+            request("POST", w, &[JSON], r#"{"turn": 18446744073709551616, "messages": []}"#),
+            400,
+            "invalid_turn",
+        ),
+        (
+            "turn past 2^53",
+            request("POST", w, &[JSON], r#"{"turn": 9007199254740993, "messages": []}"#),
+            400,
+            "invalid_turn",
+        ),
+        (
+            "turn 1e300",
+            request("POST", w, &[JSON], r#"{"turn": 1e300, "messages": []}"#),
+            400,
+            "invalid_turn",
+        ),
+        (
+            "turn as string",
+            request("POST", w, &[JSON], r#"{"turn": "7", "messages": []}"#),
+            400,
+            "invalid_turn",
+        ),
+        (
+            "turn null",
+            request("POST", w, &[JSON], r#"{"turn": null, "messages": []}"#),
+            400,
+            "invalid_turn",
+        ),
+        (
+            "header turn not a number",
+            request("POST", w, &[JSON, ("x-session-turn", "abc")], r#"{"messages": []}"#),
+            400,
+            "invalid_turn",
+        ),
+        (
+            "header turn negative",
+            request("POST", w, &[JSON, ("x-session-turn", "-3")], r#"{"messages": []}"#),
+            400,
+            "invalid_turn",
+        ),
+        (
+            "turns disagree",
+            request(
+                "POST",
+                w,
+                &[JSON, ("x-session-turn", "2")],
+                r#"{"turn": 1, "messages": []}"#,
+            ),
+            400,
+            "turn_mismatch",
+        ),
+        (
+            "messages not an array",
+            request("POST", w, &[JSON], r#"{"turn": 1, "messages": "hi"}"#),
+            400,
+            "invalid_messages",
+        ),
+        (
+            "patch sets messages",
+            request(
+                "PATCH",
+                "/v1/sessions/hostile",
+                &[("content-type", "application/merge-patch+json")],
+                r#"{"turn": 1, "messages": []}"#,
+            ),
+            400,
+            "forbidden_field",
+        ),
+        (
+            "replace without If-Match",
+            request(
+                "PUT",
+                "/v1/sessions/hostile",
+                &[JSON, ("x-context-replace", "true")],
+                r#"{"turn": 1}"#,
+            ),
+            428,
+            "precondition_required",
+        ),
+        (
+            "garbage If-Match",
+            request(
+                "PUT",
+                "/v1/sessions/hostile",
+                &[JSON, ("x-context-replace", "true"), ("if-match", "\"abc")],
+                r#"{"turn": 1}"#,
+            ),
+            400,
+            "invalid_if_match",
+        ),
+        (
+            "id with ':'",
+            request("POST", "/v1/sessions/a:b/messages", &[JSON], ok_body),
+            400,
+            "invalid_session_id",
+        ),
+        (
+            "id with '*'",
+            request("POST", "/v1/sessions/a*/messages", &[JSON], ok_body),
+            400,
+            "invalid_session_id",
+        ),
+        (
+            "id with '['",
+            request("POST", "/v1/sessions/a[/messages", &[JSON], ok_body),
+            400,
+            "invalid_session_id",
+        ),
+        (
+            "id '..'",
+            request("POST", "/v1/sessions/../messages", &[JSON], ok_body),
+            400,
+            "invalid_session_id",
+        ),
+        (
+            "id with %2F",
+            request("POST", "/v1/sessions/a%2Fb/messages", &[JSON], ok_body),
+            400,
+            "invalid_session_id",
+        ),
+        (
+            "id %2e%2e",
+            request("POST", "/v1/sessions/%2e%2e/messages", &[JSON], ok_body),
+            400,
+            "invalid_session_id",
+        ),
+        (
+            "id with %3F",
+            request("POST", "/v1/sessions/a%3F/messages", &[JSON], ok_body),
+            400,
+            "invalid_session_id",
+        ),
+        (
+            "id with %00",
+            request("POST", "/v1/sessions/a%00/messages", &[JSON], ok_body),
+            400,
+            "invalid_session_id",
+        ),
+        (
+            "id with a space",
+            request("POST", "/v1/sessions/a%20b/messages", &[JSON], ok_body),
+            400,
+            "invalid_session_id",
+        ),
+        (
+            "unicode id (encoded)",
+            request("POST", "/v1/sessions/s%C3%A9/messages", &[JSON], ok_body),
+            400,
+            "invalid_session_id",
+        ),
+        (
+            "id of 300 bytes",
+            request("POST", &long_id, &[JSON], ok_body),
+            400,
+            "invalid_session_id",
+        ),
+        (
+            "Idempotency-Key too long",
+            request("POST", w, &[JSON, ("idempotency-key", &"k".repeat(300))], ok_body),
+            400,
+            "invalid_idempotency_key",
+        ),
+        (
+            "declared body over the limit",
+            request("POST", w, &[JSON], &big),
+            413,
+            "body_too_large",
+        ),
+        (
+            "chunked body over the limit",
+            request("POST", w, &[JSON, ("transfer-encoding", "chunked")], &chunked_big),
+            413,
+            "body_too_large",
+        ),
+        (
+            "huge header value",
+            request("POST", w, &[JSON, ("x-junk", &huge_header)], ok_body),
+            431,
+            "",
+        ),
     ];
-    let mut flood = String::from("POST /v1/sessions/hostile/messages HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n");
+    let mut flood =
+        String::from("POST /v1/sessions/hostile/messages HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n");
     for i in 0..500 {
         flood.push_str(&format!("x-flood-{i}: {i}\r\n"));
     }
     flood.push_str(&format!("content-length: {}\r\n\r\n{ok_body}", ok_body.len()));
     let mut cases = cases;
     cases.push(("header flood", flood.into_bytes(), 431, ""));
-    cases.push(("raw unicode in the path", "POST /v1/sessions/sé/messages HTTP/1.1\r\nhost: t\r\ncontent-length: 0\r\n\r\n".as_bytes().to_vec(), 400, ""));
-    cases.push(("not HTTP at all", b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03garbage\r\n\r\n".to_vec(), 400, ""));
+    cases.push((
+        "raw unicode in the path",
+        "POST /v1/sessions/sé/messages HTTP/1.1\r\nhost: t\r\ncontent-length: 0\r\n\r\n"
+            .as_bytes()
+            .to_vec(),
+        400,
+        "",
+    ));
+    cases.push((
+        "not HTTP at all",
+        b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03garbage\r\n\r\n".to_vec(),
+        400,
+        "",
+    ));
 
     let mut failures = Vec::new();
     for (name, bytes, status, code) in &cases {
@@ -190,7 +411,11 @@ async fn hostile_requests_get_clear_4xx_and_leave_nothing_behind() {
 
     // Nothing was written for the refused requests, and no lock is left.
     assert_eq!(get_doc(&client(store.addr), "hostile").await.status, 404);
-    assert!(lock_keys(&redis).is_empty(), "locks left behind: {:?}", lock_keys(&redis));
+    assert!(
+        lock_keys(&redis).is_empty(),
+        "locks left behind: {:?}",
+        lock_keys(&redis)
+    );
     // Other sessions were not affected and are still served.
     assert_eq!(get_doc(&client(store.addr), "canary").await.json, canary_before);
     let after = append(&c, "canary", 3, "canary-2", true, &[]).await.expect("canary");
@@ -238,9 +463,17 @@ async fn slow_clients_are_cut_off_without_blocking_others() {
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    assert!(slow.is_empty(), "{} slow clients still connected after {:?}", slow.len(), started.elapsed());
+    assert!(
+        slow.is_empty(),
+        "{} slow clients still connected after {:?}",
+        slow.len(),
+        started.elapsed()
+    );
     assert!(served > 0);
-    eprintln!("slow clients cut off after {:?}; {served} other writes served meanwhile", started.elapsed());
+    eprintln!(
+        "slow clients cut off after {:?}; {served} other writes served meanwhile",
+        started.elapsed()
+    );
     p.stop().await;
 }
 

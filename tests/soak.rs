@@ -23,7 +23,9 @@ fn proc_status(pid: i32, field: &str) -> u64 {
 }
 
 fn open_fds(pid: i32) -> usize {
-    std::fs::read_dir(format!("/proc/{pid}/fd")).expect("read /proc fd").count()
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .expect("read /proc fd")
+        .count()
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -51,7 +53,14 @@ async fn soak_keeps_memory_and_descriptors_flat_and_leaves_no_locks() {
     let p = ProxyProc::spawn(
         &format!("http://{}", store.addr),
         &redis.url(),
-        &["--lock-budget-ms", "200", "--idempotency-ttl-secs", "5", "--history-ttl-secs", "5"],
+        &[
+            "--lock-budget-ms",
+            "200",
+            "--idempotency-ttl-secs",
+            "5",
+            "--history-ttl-secs",
+            "5",
+        ],
     );
     let pid = p.proc.pid();
     let all = sessions("soak", 200);
@@ -86,7 +95,10 @@ async fn soak_keeps_memory_and_descriptors_flat_and_leaves_no_locks() {
     let ledger = writers.finish().await;
     let mut reads = 0;
     for r in readers {
-        reads += tokio::time::timeout(Duration::from_secs(30), r).await.expect("bounded").expect("reader");
+        reads += tokio::time::timeout(Duration::from_secs(30), r)
+            .await
+            .expect("bounded")
+            .expect("reader");
     }
     // Idle connections are closed by the clients going away; give the proxy a moment.
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -114,11 +126,18 @@ async fn soak_keeps_memory_and_descriptors_flat_and_leaves_no_locks() {
         "memory grew from {} kB to {late_peak} kB",
         warm.rss_kb
     );
-    assert!(end.fds <= warm.fds + 8, "descriptors grew from {} to {}", warm.fds, end.fds);
     assert!(
-        eventually(Duration::from_secs(5), Duration::from_millis(50), || async { lock_keys(&redis).is_empty() })
-            .await
-            .is_some(),
+        end.fds <= warm.fds + 8,
+        "descriptors grew from {} to {}",
+        warm.fds,
+        end.fds
+    );
+    assert!(
+        eventually(Duration::from_secs(5), Duration::from_millis(50), || async {
+            lock_keys(&redis).is_empty()
+        })
+        .await
+        .is_some(),
         "lock keys left in Redis: {:?}",
         lock_keys(&redis)
     );

@@ -57,12 +57,7 @@ impl ProxyProc {
 /// Status of `/readyz` on an admin address (0 when it does not answer).
 pub async fn readyz(admin: SocketAddr) -> u16 {
     let c = JsonClient::new(format!("http://{admin}"));
-    match tokio::time::timeout(
-        Duration::from_secs(3),
-        c.send(http::Method::GET, "/readyz", None, &[]),
-    )
-    .await
-    {
+    match tokio::time::timeout(Duration::from_secs(3), c.send(http::Method::GET, "/readyz", None, &[])).await {
         Ok(Ok(r)) => r.status.as_u16(),
         _ => 0,
     }
@@ -147,7 +142,12 @@ impl Ledger {
     }
 
     pub fn acked_in(&self, session: &str) -> usize {
-        self.acked.lock().expect("ledger").iter().filter(|a| a.session == session).count()
+        self.acked
+            .lock()
+            .expect("ledger")
+            .iter()
+            .filter(|a| a.session == session)
+            .count()
     }
 }
 
@@ -192,7 +192,14 @@ impl Writers {
                             turns[j].fetch_max(turn, Ordering::SeqCst);
                         }
                         let token = format!("{tag}-{i}-{n}");
-                        record(&ledger, &turns[j], session, turn, &token, append(&client, session, turn, &token, true, &[]).await);
+                        record(
+                            &ledger,
+                            &turns[j],
+                            session,
+                            turn,
+                            &token,
+                            append(&client, session, turn, &token, true, &[]).await,
+                        );
                         tokio::time::sleep(Duration::from_millis(2)).await;
                     }
                 })
@@ -256,7 +263,11 @@ pub struct Counts {
 
 impl Counts {
     pub fn clean(&self) -> bool {
-        self.lost == 0 && self.duplicated == 0 && self.stale_accepted == 0 && self.turn_regressions == 0 && self.unexplained == 0
+        self.lost == 0
+            && self.duplicated == 0
+            && self.stale_accepted == 0
+            && self.turn_regressions == 0
+            && self.unexplained == 0
     }
 }
 
@@ -281,7 +292,11 @@ pub async fn check(store: SocketAddr, sessions: &[String], ledgers: &[&Ledger]) 
         let doc = if reply.status == http::StatusCode::NOT_FOUND {
             json!({"turn": 0, "messages": []})
         } else {
-            assert!(reply.status.is_success(), "store answered {} for {session}", reply.status);
+            assert!(
+                reply.status.is_success(),
+                "store answered {} for {session}",
+                reply.status
+            );
             reply.json
         };
         let mut seen: HashMap<String, usize> = HashMap::new();
@@ -296,9 +311,7 @@ pub async fn check(store: SocketAddr, sessions: &[String], ledgers: &[&Ledger]) 
         counts.duplicated += seen.values().filter(|&&n| n > 1).map(|n| n - 1).sum::<usize>();
         let mine: Vec<&Ack> = acked.iter().filter(|a| &a.session == session).collect();
         counts.lost += mine.iter().filter(|a| !seen.contains_key(&a.token)).count();
-        let known = |t: &str| {
-            mine.iter().any(|a| a.token == t) || unknown.iter().any(|(s, u)| s == session && u == t)
-        };
+        let known = |t: &str| mine.iter().any(|a| a.token == t) || unknown.iter().any(|(s, u)| s == session && u == t);
         counts.unexplained += seen.keys().filter(|t| !known(t)).count();
         let stored_turn = doc["turn"].as_u64().unwrap_or(0);
         if mine.iter().any(|a| a.write_turn > stored_turn) {

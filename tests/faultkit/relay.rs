@@ -182,8 +182,22 @@ async fn connection(client: TcpStream, shared: Arc<Shared>) {
     let (client_r, client_w) = client.into_split();
     let (server_r, server_w) = server.into_split();
     let client_w = Arc::new(tokio::sync::Mutex::new(client_w));
-    let up = pump(client_r, Out::Server(server_w), client_w.clone(), shared.clone(), conn.clone(), true);
-    let down = pump(server_r, Out::Client(client_w.clone()), client_w, shared.clone(), conn.clone(), false);
+    let up = pump(
+        client_r,
+        Out::Server(server_w),
+        client_w.clone(),
+        shared.clone(),
+        conn.clone(),
+        true,
+    );
+    let down = pump(
+        server_r,
+        Out::Client(client_w.clone()),
+        client_w,
+        shared.clone(),
+        conn.clone(),
+        false,
+    );
     tokio::select! {
         _ = up => {},
         _ = down => {},
