@@ -1,6 +1,6 @@
 //! The admin server: `/metrics` (Prometheus text), `/healthz` (the process is up) and
 //! `/readyz` (Redis, when configured, and the store both answer; not ready while shutting
-//! down). It binds to loopback by default; `/shutdown`-style controls are deliberately absent.
+//! down). It binds to loopback by default; there is deliberately no control endpoint.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -50,13 +50,38 @@ impl Readiness {
     }
 }
 
-pub async fn serve(listener: TcpListener, metrics: Metrics, readiness: Readiness, stop: CancellationToken) {
-    let handler = move |req: Request<Incoming>, _peer: SocketAddr| {
+/// Serves the admin endpoints. Probes (`/healthz`, `/readyz`) answer any caller the listener
+/// accepts, so a kubelet can reach them on the pod's address; `/metrics` answers loopback
+/// callers only, unless `public_metrics` (for a Prometheus scraping the pod from elsewhere).
+pub async fn serve(
+    listener: TcpListener,
+    metrics: Metrics,
+    readiness: Readiness,
+    public_metrics: bool,
+    stop: CancellationToken,
+) {
+    let handler = move |req: Request<Incoming>, peer: SocketAddr| {
         let metrics = metrics.clone();
         let readiness = readiness.clone();
-        async move { handle(req, &metrics, &readiness).await }
+        async move {
+            if !serves(req.uri().path(), peer.ip(), public_metrics) {
+                return error(
+                    StatusCode::FORBIDDEN,
+                    "forbidden",
+                    "/metrics answers loopback callers only; start the proxy with --admin-public-metrics to allow others",
+                    None,
+                );
+            }
+            handle(req, &metrics, &readiness).await
+        }
     };
     crate::server::serve(listener, handler, stop, Duration::from_secs(1)).await;
+}
+
+/// Whether `path` is served to a caller at `ip`: probes to anyone, metrics to loopback (or
+/// anyone with `public_metrics`).
+pub fn serves(path: &str, ip: std::net::IpAddr, public_metrics: bool) -> bool {
+    path != "/metrics" || public_metrics || ip.to_canonical().is_loopback()
 }
 
 async fn handle(req: Request<Incoming>, metrics: &Metrics, readiness: &Readiness) -> Response<Body> {
@@ -93,5 +118,22 @@ async fn handle(req: Request<Incoming>, metrics: &Metrics, readiness: &Readiness
             "admin endpoints: /metrics, /healthz, /readyz",
             None,
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::serves;
+
+    #[test]
+    fn metrics_answer_loopback_callers_unless_made_public_and_probes_answer_everyone() {
+        let remote = "10.1.2.3".parse().unwrap();
+        let mapped_loopback = "::ffff:127.0.0.1".parse().unwrap();
+        assert!(serves("/metrics", "127.0.0.1".parse().unwrap(), false));
+        assert!(serves("/metrics", mapped_loopback, false));
+        assert!(!serves("/metrics", remote, false));
+        assert!(serves("/metrics", remote, true));
+        assert!(serves("/readyz", remote, false));
+        assert!(serves("/healthz", remote, false));
     }
 }

@@ -44,6 +44,9 @@ pub struct ProxyArgs {
     /// Admin address: /metrics, /healthz, /readyz.
     #[arg(long, env = "TURNLOCK_ADMIN", default_value = "127.0.0.1:9901")]
     pub admin: SocketAddr,
+    /// Serve /metrics to callers other than loopback (probes are always served).
+    #[arg(long, env = "TURNLOCK_ADMIN_PUBLIC_METRICS")]
+    pub admin_public_metrics: bool,
     /// How long a write may wait for its session's lock, in milliseconds.
     #[arg(long, env = "TURNLOCK_LOCK_BUDGET_MS", default_value_t = 50)]
     pub lock_budget_ms: u64,
@@ -172,6 +175,7 @@ impl ProxyArgs {
             upstream,
             redis: None,
             admin: SocketAddr::from(([127, 0, 0, 1], 0)),
+            admin_public_metrics: false,
             lock_budget_ms: 50,
             lock_ttl_ms: 2000,
             key_prefix: "turnlock:".into(),

@@ -125,6 +125,7 @@ pub async fn start(args: ProxyArgs) -> Result<Running, ConfigError> {
         admin_listener,
         metrics.clone(),
         readiness,
+        args.admin_public_metrics,
         admin_stop.clone(),
     ));
 

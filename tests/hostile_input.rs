@@ -501,3 +501,34 @@ async fn admin_port_refuses_what_it_does_not_serve() {
     );
     p.stop().await;
 }
+
+/// A client that sends a write's head and then trickles (or stops sending) its body is answered
+/// 408 `body_timeout` once the body deadline passes, and holds no lock meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_that_never_arrives_is_refused_with_408() {
+    let store = store().await;
+    let p = proxy(proxy_args(store.addr, None)).await;
+    let mut s = TcpStream::connect(p.addr).await.expect("connect");
+    let head = b"POST /v1/sessions/trickle/messages HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"turn\": 1,";
+    s.write_all(head).await.expect("write head");
+    // Meanwhile the same session is writable: a stalled body holds no lock.
+    let r = append(&client(p.addr), "trickle", 1, "other", true, &[])
+        .await
+        .expect("append");
+    assert!(r.status.is_success(), "{}", r.json);
+    let started = tokio::time::Instant::now();
+    let mut buf = vec![0u8; 4096];
+    let n = tokio::time::timeout(turnlock::proxy::BODY_READ_TIMEOUT * 2, s.read(&mut buf))
+        .await
+        .expect("answered before twice the body deadline")
+        .expect("read");
+    let text = String::from_utf8_lossy(&buf[..n]).into_owned();
+    assert!(text.starts_with("HTTP/1.1 408"), "{text}");
+    assert!(text.contains("body_timeout"), "{text}");
+    assert!(started.elapsed() >= turnlock::proxy::BODY_READ_TIMEOUT / 2);
+    assert_eq!(
+        message_ids(&get_doc(&client(store.addr), "trickle").await.json),
+        ["other"]
+    );
+    p.stop().await;
+}

@@ -6,7 +6,7 @@ mod pipeline;
 mod request;
 
 pub use self::pipeline::{Pipeline, Settings as PipelineSettings};
-pub use self::request::{CONTEXT_REPLACE, IDEMPOTENCY_KEY, SESSION_TURN};
+pub use self::request::{BODY_READ_TIMEOUT, CONTEXT_REPLACE, IDEMPOTENCY_KEY, SESSION_TURN};
 
 use std::net::SocketAddr;
 use std::sync::Arc;

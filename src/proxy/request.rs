@@ -18,6 +18,8 @@ pub const SESSION_TURN: &str = "x-session-turn";
 pub const CONTEXT_REPLACE: &str = "x-context-replace";
 pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
 const MAX_IDEMPOTENCY_KEY_LEN: usize = 255;
+/// How long a client may take to send a write's body: a trickling client is cut off with 408.
+pub const BODY_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// A write that passed every check that needs no lock.
 #[derive(Debug)]
@@ -110,10 +112,19 @@ pub async fn parse(
     if json_body {
         check_content_type(&parts.headers)?;
     }
-    let bytes = match Limited::new(body, max_body).collect().await {
-        Ok(c) => c.to_bytes(),
-        Err(e) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => return Err(too_large(max_body)),
-        Err(e) => return Err(bad("body_read_failed", format!("could not read the request body: {e}"))),
+    let bytes = match tokio::time::timeout(BODY_READ_TIMEOUT, Limited::new(body, max_body).collect()).await {
+        Err(_) => {
+            return Err(Refusal::new(
+                StatusCode::REQUEST_TIMEOUT,
+                "body_timeout",
+                format!("the body was not received within {} s", BODY_READ_TIMEOUT.as_secs()),
+            ))
+        }
+        Ok(Ok(c)) => c.to_bytes(),
+        Ok(Err(e)) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => {
+            return Err(too_large(max_body))
+        }
+        Ok(Err(e)) => return Err(bad("body_read_failed", format!("could not read the request body: {e}"))),
     };
     let header_turn = match parts.headers.get(SESSION_TURN) {
         Some(v) => Some(turn_from_header(v.as_bytes()).map_err(turn_refusal)?),
