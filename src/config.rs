@@ -108,6 +108,11 @@ pub struct StoreArgs {
     /// Behave like a store without conditional writes: no ETag, If-Match ignored.
     #[arg(long, env = "TURNLOCK_NO_ETAGS")]
     pub no_etags: bool,
+    /// Refuse a write whose X-Fencing-Token is lower than one already stored for the document
+    /// (409 stale_fencing_token): the store-side check that stops a paused lock holder even
+    /// without conditional writes. Only with one shared Redis behind every proxy.
+    #[arg(long, env = "TURNLOCK_ENFORCE_FENCING")]
+    pub enforce_fencing: bool,
     #[arg(long, env = "TURNLOCK_SHUTDOWN_GRACE_MS", default_value_t = 5_000)]
     pub shutdown_grace_ms: u64,
 }
@@ -202,6 +207,7 @@ impl StoreArgs {
             key_prefix: "turnlock-store:".into(),
             max_body_bytes: 8 * 1024 * 1024,
             no_etags: false,
+            enforce_fencing: false,
             shutdown_grace_ms: 5_000,
         }
     }

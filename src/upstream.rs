@@ -31,6 +31,8 @@ pub enum UpstreamError {
     Unreachable(String),
     #[error("the context store refused the conditional write (412)")]
     PreconditionFailed,
+    #[error("the context store refused the write: a newer lock grant already wrote this session")]
+    FencedOut,
     #[error("the context store answered {status}")]
     Status { status: StatusCode, body: Bytes },
     #[error("the context store returned a document turnlock cannot read: {0}")]
@@ -46,6 +48,7 @@ impl UpstreamError {
     pub fn status(&self) -> StatusCode {
         match self {
             Self::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
+            Self::FencedOut => StatusCode::SERVICE_UNAVAILABLE,
             _ => StatusCode::BAD_GATEWAY,
         }
     }
@@ -55,6 +58,7 @@ impl UpstreamError {
             Self::Timeout(_) => "upstream_timeout",
             Self::Unreachable(_) => "upstream_unavailable",
             Self::PreconditionFailed => "upstream_conflict",
+            Self::FencedOut => "fenced_out",
             Self::Status { .. } => "upstream_error",
             Self::InvalidDocument(_) => "upstream_invalid_document",
         }
@@ -220,7 +224,11 @@ impl Upstream {
             Ok(res) => {
                 let status = res.status();
                 let body = self.body(res).await.unwrap_or_default();
-                Err(UpstreamError::Status { status, body })
+                if status == StatusCode::CONFLICT && is_fenced_out(&body) {
+                    Err(UpstreamError::FencedOut)
+                } else {
+                    Err(UpstreamError::Status { status, body })
+                }
             }
         };
         self.metrics.upstream("put", started.elapsed());
@@ -255,6 +263,12 @@ impl Upstream {
             Err(_) => false,
         }
     }
+}
+
+/// Whether a store's 409 says the write's fencing token was older than one already stored
+/// (the reference store's `--enforce-fencing` answer).
+fn is_fenced_out(body: &[u8]) -> bool {
+    serde_json::from_slice::<serde_json::Value>(body).is_ok_and(|v| v["error"] == "stale_fencing_token")
 }
 
 fn error_chain(e: &dyn std::error::Error) -> String {

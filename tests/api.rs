@@ -938,3 +938,81 @@ async fn coalesced_writes_report_the_version_the_store_holds() {
         "versions answered {versions:?}, store at {stored}"
     );
 }
+
+/// The lost-grant case a store without conditional writes cannot otherwise survive: writer A's
+/// write-back is delayed in the network while its lock and version reservation vanish (as in a
+/// failover that lost them) and writer B commits. A store that enforces fencing tokens refuses
+/// A's late write; without that check, A's write overwrites B's acknowledged one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_store_enforcing_fencing_tokens_refuses_the_late_write_of_a_lost_grant() {
+    for enforce in [true, false] {
+        let redis = RedisServer::start();
+        let mut store_args = turnlock::config::StoreArgs::local();
+        store_args.no_etags = true;
+        store_args.enforce_fencing = enforce;
+        let store = turnlock::store::start(store_args).await.expect("store");
+        let slow = slow_store(store.addr, Duration::from_millis(800)).await;
+        let proxy_a = proxy(proxy_args(slow, Some(&redis))).await;
+        let proxy_b = proxy(proxy_args(store.addr, Some(&redis))).await;
+        let (a, b) = (client(proxy_a.addr), client(proxy_b.addr));
+        assert_eq!(append(&b, "fx", 1, &["b0"]).await.status, StatusCode::CREATED);
+        let late = tokio::spawn(async move { append(&a, "fx", 1, &["a1"]).await });
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        // A's grant and reservation are lost while its write-back is on its way.
+        redis.cmd(&["DEL", "turnlock:session:fx:1", "turnlock:version:fx:pending"]);
+        let r = append(&b, "fx", 1, &["b1"]).await;
+        assert_eq!(r.status, StatusCode::OK, "{}", r.json);
+        let late = late.await.expect("late writer");
+        let stored = message_ids(&get_doc(&client(store.addr), "fx").await.json);
+        if enforce {
+            assert_eq!(
+                (late.status, late.json["error"].as_str()),
+                (StatusCode::SERVICE_UNAVAILABLE, Some("fenced_out")),
+                "{}",
+                late.json
+            );
+            assert!(late.headers.contains_key("retry-after"));
+            assert_eq!(stored, ["b0", "b1"]);
+        } else {
+            // Without the store's check the late write lands over B's: the failure this prevents.
+            assert!(late.status.is_success(), "{}", late.json);
+            assert!(
+                !stored.contains(&"b1".to_string()),
+                "expected the overwrite, stored {stored:?}"
+            );
+        }
+    }
+}
+
+#[tokio::test]
+async fn the_reference_store_enforces_fencing_tokens_when_asked() {
+    let mut args = turnlock::config::StoreArgs::local();
+    args.enforce_fencing = true;
+    let store = turnlock::store::start(args).await.expect("store");
+    let c = client(store.addr);
+    let put = |token: &str| {
+        let c = c.clone();
+        let token = token.to_string();
+        async move {
+            c.send(
+                Method::PUT,
+                "/v1/sessions/f",
+                Some(&json!({"x": 1})),
+                &[("x-fencing-token", token)],
+            )
+            .await
+            .expect("put")
+        }
+    };
+    assert!(put("5").await.status.is_success());
+    let r = put("4").await;
+    assert_eq!(
+        (r.status, r.json["error"].as_str()),
+        (StatusCode::CONFLICT, Some("stale_fencing_token"))
+    );
+    assert!(put("5").await.status.is_success());
+    assert!(put("9").await.status.is_success());
+    assert_eq!(put("8").await.status, StatusCode::CONFLICT);
+    assert_eq!(put("x").await.status, StatusCode::BAD_REQUEST);
+    assert_eq!(get_doc(&c, "f").await.json["version"], 3);
+}

@@ -590,12 +590,16 @@ fn upstream_answer(e: &UpstreamError) -> Answer {
         UpstreamError::Status { status, .. } => Some(json!({"upstream_status": status.as_u16()})),
         _ => None,
     };
-    Answer::error(
+    let answer = Answer::error(
         e.status(),
         e.code(),
         format!("{e}; nothing was written by this request"),
         extra,
-    )
+    );
+    if matches!(e, UpstreamError::FencedOut) {
+        return answer.with_header(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    }
+    answer
 }
 
 /// Serialize mode: each write is forwarded unchanged, one after another under the grant,

@@ -16,13 +16,21 @@ pub struct BackendError(String);
 
 #[derive(Clone)]
 pub enum Backend {
-    Memory(Arc<DashMap<String, (u64, Bytes)>>),
+    Memory(Arc<DashMap<String, Stored>>),
     Redis {
         conn: RedisConn,
         prefix: String,
         put: Arc<Script>,
         delete: Arc<Script>,
     },
+}
+
+/// One document in memory: its version, its body, and the highest fencing token that wrote it.
+#[derive(Clone)]
+pub struct Stored {
+    version: u64,
+    body: Bytes,
+    fence: u64,
 }
 
 /// The stored form: the document with its `version` field set to the store's version.
@@ -58,7 +66,7 @@ impl Backend {
 
     pub async fn get(&self, id: &str) -> Result<Option<(u64, Bytes)>, BackendError> {
         match self {
-            Backend::Memory(map) => Ok(map.get(id).map(|e| e.clone())),
+            Backend::Memory(map) => Ok(map.get(id).map(|e| (e.version, e.body.clone()))),
             Backend::Redis { conn, prefix, .. } => {
                 let key = format!("{prefix}doc:{id}");
                 let (v, body): (Option<u64>, Option<Vec<u8>>) = conn
@@ -77,23 +85,39 @@ impl Backend {
         }
     }
 
-    pub async fn put(&self, id: &str, doc: Map<String, Value>, expect: Expect) -> Result<PutOutcome, BackendError> {
+    /// Stores `doc` if `expect` holds and, when `fence` is given, if no write with a higher
+    /// fencing token has been stored for this id.
+    pub async fn put(
+        &self,
+        id: &str,
+        doc: Map<String, Value>,
+        expect: Expect,
+        fence: Option<u64>,
+    ) -> Result<PutOutcome, BackendError> {
         match self {
             Backend::Memory(map) => {
                 let mut entry = map.entry(id.to_owned());
-                let current = match &entry {
-                    dashmap::Entry::Occupied(o) => Some(o.get().0),
-                    dashmap::Entry::Vacant(_) => None,
+                let (current, highest) = match &entry {
+                    dashmap::Entry::Occupied(o) => (Some(o.get().version), o.get().fence),
+                    dashmap::Entry::Vacant(_) => (None, 0),
                 };
+                if let Some(token) = fence.filter(|t| *t < highest) {
+                    return Ok(PutOutcome::Fenced { token, highest });
+                }
                 if !allowed(expect, current) {
                     return Ok(PutOutcome::PreconditionFailed);
                 }
                 let version = current.unwrap_or(0) + 1;
                 let body = encode(doc, version);
+                let stored = Stored {
+                    version,
+                    body: body.clone(),
+                    fence: highest.max(fence.unwrap_or(0)),
+                };
                 match &mut entry {
-                    dashmap::Entry::Occupied(o) => *o.get_mut() = (version, body.clone()),
+                    dashmap::Entry::Occupied(o) => *o.get_mut() = stored,
                     dashmap::Entry::Vacant(_) => {
-                        entry.insert((version, body.clone()));
+                        entry.insert(stored);
                     }
                 }
                 Ok(PutOutcome::Stored {
@@ -121,9 +145,23 @@ impl Backend {
                     let script = put.clone();
                     let (k, b) = (key.clone(), body.clone());
                     let reply: i64 = conn
-                        .run(|mut c| async move { script.key(&k).arg(base).arg(b.as_ref()).invoke_async(&mut c).await })
+                        .run(|mut c| async move {
+                            script
+                                .key(&k)
+                                .arg(base)
+                                .arg(b.as_ref())
+                                .arg(fence.unwrap_or(0))
+                                .invoke_async(&mut c)
+                                .await
+                        })
                         .await
                         .map_err(|e| BackendError(e.to_string()))?;
+                    if reply == -2 {
+                        return Ok(PutOutcome::Fenced {
+                            token: fence.unwrap_or(0),
+                            highest: 0,
+                        });
+                    }
                     if reply > 0 {
                         return Ok(PutOutcome::Stored {
                             version: reply as u64,
@@ -144,13 +182,13 @@ impl Backend {
     pub async fn delete(&self, id: &str, expect: Expect) -> Result<Option<bool>, BackendError> {
         match self {
             Backend::Memory(map) => {
-                let Some(current) = map.get(id).map(|e| e.0) else {
+                let Some(current) = map.get(id).map(|e| e.version) else {
                     return Ok(None);
                 };
                 if !allowed(expect, Some(current)) {
                     return Ok(Some(false));
                 }
-                Ok(Some(map.remove_if(id, |_, e| e.0 == current).is_some()))
+                Ok(Some(map.remove_if(id, |_, e| e.version == current).is_some()))
             }
             Backend::Redis {
                 conn, prefix, delete, ..

@@ -33,6 +33,7 @@ const MAX_ID_LEN: usize = 256;
 pub struct Store {
     backend: Backend,
     etags: bool,
+    enforce_fencing: bool,
     max_body: usize,
 }
 
@@ -47,8 +48,17 @@ pub enum Expect {
 
 #[derive(Debug, PartialEq, Eq)]
 pub enum PutOutcome {
-    Stored { version: u64, created: bool, body: Bytes },
+    Stored {
+        version: u64,
+        created: bool,
+        body: Bytes,
+    },
     PreconditionFailed,
+    /// A write with a higher fencing token was already stored (with `--enforce-fencing`).
+    Fenced {
+        token: u64,
+        highest: u64,
+    },
 }
 
 /// A running store.
@@ -81,6 +91,7 @@ pub async fn start(args: StoreArgs) -> Result<RunningStore, ConfigError> {
     let store = Store {
         backend,
         etags: !args.no_etags,
+        enforce_fencing: args.enforce_fencing,
         max_body: args.max_body_bytes,
     };
     let listener = TcpListener::bind(args.listen)
@@ -159,6 +170,20 @@ impl Store {
                 Err(m) => return Ok(error(StatusCode::BAD_REQUEST, "invalid_precondition", m, None)),
             }
         };
+        let fence = match req.headers().get(crate::upstream::FENCING_TOKEN) {
+            Some(v) if self.enforce_fencing => match v.to_str().ok().and_then(|t| t.parse::<u64>().ok()) {
+                Some(t) => Some(t),
+                None => {
+                    return Ok(error(
+                        StatusCode::BAD_REQUEST,
+                        "invalid_fencing_token",
+                        "X-Fencing-Token must be a non-negative integer",
+                        None,
+                    ))
+                }
+            },
+            _ => None,
+        };
         let bytes = match Limited::new(req.into_body(), self.max_body).collect().await {
             Ok(c) => c.to_bytes(),
             Err(_) => {
@@ -182,7 +207,13 @@ impl Store {
             }
             Err(e) => return Ok(error(StatusCode::BAD_REQUEST, "malformed_json", e, None)),
         };
-        Ok(match self.backend.put(id, doc, expect).await? {
+        Ok(match self.backend.put(id, doc, expect, fence).await? {
+            PutOutcome::Fenced { token, highest } => error(
+                StatusCode::CONFLICT,
+                "stale_fencing_token",
+                format!("fencing token {token} is older than one already written"),
+                Some(json!({"highest": highest})),
+            ),
             PutOutcome::PreconditionFailed => error(
                 StatusCode::PRECONDITION_FAILED,
                 "precondition_failed",
