@@ -25,7 +25,21 @@ const SERVICE_DNS: &str = "turnlock-injector.turnlock-system.svc";
 struct Webhook {
     running: Running,
     connector: TlsConnector,
-    _dir: tempfile::TempDir,
+    dir: tempfile::TempDir,
+}
+
+/// A TLS client that trusts only the given CA.
+fn trusting(ca_pem: &str) -> TlsConnector {
+    let mut roots = rustls::RootCertStore::empty();
+    let ca = CertificateDer::from_pem_slice(ca_pem.as_bytes()).expect("CA pem");
+    roots.add(ca).expect("CA added");
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .expect("TLS versions")
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    TlsConnector::from(Arc::new(config))
 }
 
 impl Webhook {
@@ -43,20 +57,20 @@ impl Webhook {
         configure(&mut args);
         let running = server::start(args).await.expect("webhook starts");
 
-        let mut roots = rustls::RootCertStore::empty();
-        let ca = CertificateDer::from_pem_slice(generated.ca_cert.as_bytes()).expect("CA pem");
-        roots.add(ca).expect("CA added");
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let config = rustls::ClientConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()
-            .expect("TLS versions")
-            .with_root_certificates(roots)
-            .with_no_client_auth();
         Self {
             running,
-            connector: TlsConnector::from(Arc::new(config)),
-            _dir: dir,
+            connector: trusting(&generated.ca_cert),
+            dir,
         }
+    }
+
+    /// Whether a client trusting only `connector`'s CA completes a TLS handshake.
+    async fn handshake_ok(&self, connector: &TlsConnector) -> bool {
+        let Ok(tcp) = TcpStream::connect(self.running.addr).await else {
+            return false;
+        };
+        let name = ServerName::try_from(SERVICE_DNS).expect("server name");
+        connector.connect(name, tcp).await.is_ok()
     }
 
     /// One HTTPS request, verified against the generated CA for the Service's DNS name.
@@ -512,6 +526,34 @@ async fn health_endpoint_answers_over_https_only() {
     let mut buf = Vec::new();
     let _ = tokio::time::timeout(std::time::Duration::from_secs(5), tcp.read_to_end(&mut buf)).await;
     assert!(!buf.starts_with(b"HTTP/1.1 200"), "served plain HTTP");
+}
+
+#[tokio::test]
+async fn a_renewed_certificate_is_served_without_a_restart() {
+    let hook = Webhook::start(|a| a.tls_reload_secs = 1).await;
+    assert!(hook.handshake_ok(&hook.connector).await);
+    let names = certs::service_names("turnlock-injector", "turnlock-system");
+    let renewed = certs::generate(&names, 1).expect("certificates");
+    let new_client = trusting(&renewed.ca_cert);
+    assert!(
+        !hook.handshake_ok(&new_client).await,
+        "a client of the new CA cannot trust the old certificate"
+    );
+    // Written the way a Secret volume update lands: key and certificate replaced.
+    std::fs::write(hook.dir.path().join("tls.key"), &renewed.key).expect("write key");
+    std::fs::write(hook.dir.path().join("tls.crt"), &renewed.cert).expect("write cert");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while !hook.handshake_ok(&new_client).await {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the renewed certificate was never served"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    assert!(
+        !hook.handshake_ok(&hook.connector).await,
+        "the old certificate is no longer served"
+    );
 }
 
 #[test]

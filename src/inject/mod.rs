@@ -52,6 +52,9 @@ pub struct WebhookArgs {
     /// PEM private key.
     #[arg(long, env = "TURNLOCK_TLS_KEY", default_value = "/etc/turnlock/tls/tls.key")]
     pub tls_key: PathBuf,
+    /// How often the certificate files are checked for a renewal, in seconds.
+    #[arg(long, env = "TURNLOCK_TLS_RELOAD_SECS", default_value_t = 10)]
+    pub tls_reload_secs: u64,
     /// The sidecar image.
     #[arg(long, env = "TURNLOCK_SIDECAR_IMAGE", default_value = concat!("turnlock:", env!("CARGO_PKG_VERSION")))]
     pub image: String,
@@ -101,6 +104,7 @@ impl WebhookArgs {
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             tls_cert,
             tls_key,
+            tls_reload_secs: 10,
             image: concat!("turnlock:", env!("CARGO_PKG_VERSION")).into(),
             native_sidecar: false,
             upstream: None,

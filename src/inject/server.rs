@@ -35,8 +35,6 @@ use crate::http::{error, json, Body};
 pub const MAX_REVIEW_BYTES: usize = 8 * 1024 * 1024;
 /// How long a client may take for the TLS handshake or to send a review.
 const CLIENT_TIMEOUT: Duration = Duration::from_secs(10);
-/// How often the mounted certificate files are checked for a renewal.
-const RELOAD_EVERY: Duration = Duration::from_secs(10);
 
 /// A running webhook server.
 pub struct Running {
@@ -76,7 +74,8 @@ pub async fn start(args: WebhookArgs) -> Result<Running, ConfigError> {
         .map_err(|e| ConfigError(format!("cannot listen on {}: {e}", args.listen)))?;
     let addr = listener.local_addr().map_err(|e| ConfigError(e.to_string()))?;
     let shutdown = CancellationToken::new();
-    tokio::spawn(reload_loop(certs, shutdown.clone()));
+    let every = Duration::from_secs(args.tls_reload_secs.max(1));
+    tokio::spawn(reload_loop(certs, every, shutdown.clone()));
     let task = tokio::spawn(serve(listener, acceptor, Arc::new(args), shutdown.clone()));
     tracing::info!(%addr, "turnlock injector listening (HTTPS)");
     Ok(Running { addr, shutdown, task })
@@ -222,8 +221,8 @@ impl ResolvesServerCert for Certs {
     }
 }
 
-async fn reload_loop(certs: Arc<Certs>, shutdown: CancellationToken) {
-    let mut tick = tokio::time::interval(RELOAD_EVERY);
+async fn reload_loop(certs: Arc<Certs>, every: Duration, shutdown: CancellationToken) {
+    let mut tick = tokio::time::interval(every);
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => return,
