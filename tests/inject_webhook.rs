@@ -51,6 +51,7 @@ impl Webhook {
         let key = dir.path().join("tls.key");
         std::fs::write(&cert, &generated.cert).expect("write cert");
         std::fs::write(&key, &generated.key).expect("write key");
+        std::fs::write(dir.path().join("ca.crt"), &generated.ca_cert).expect("write CA");
         let mut args = WebhookArgs::local(cert, key);
         args.upstream = Some("http://context-store.agents.svc:8080".into());
         args.redis = Some("redis://redis.turnlock-system.svc:6379".into());
@@ -526,6 +527,48 @@ async fn health_endpoint_answers_over_https_only() {
     let mut buf = Vec::new();
     let _ = tokio::time::timeout(std::time::Duration::from_secs(5), tcp.read_to_end(&mut buf)).await;
     assert!(!buf.starts_with(b"HTTP/1.1 200"), "served plain HTTP");
+}
+
+#[tokio::test]
+async fn reviews_are_answered_over_http2_as_the_api_server_prefers() {
+    let hook = Webhook::start(|_| {}).await;
+    let mut roots = rustls::RootCertStore::empty();
+    let generated_ca = std::fs::read(hook.dir.path().join("ca.crt")).expect("ca");
+    roots
+        .add(CertificateDer::from_pem_slice(&generated_ca).expect("CA pem"))
+        .expect("CA added");
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .expect("TLS versions")
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    let tcp = TcpStream::connect(hook.running.addr).await.expect("connect");
+    let name = ServerName::try_from(SERVICE_DNS).expect("server name");
+    let tls = TlsConnector::from(Arc::new(config))
+        .connect(name, tcp)
+        .await
+        .expect("TLS handshake");
+    assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"h2"[..]), "h2 negotiated");
+    let (mut sender, conn) =
+        hyper::client::conn::http2::handshake(hyper_util::rt::TokioExecutor::new(), TokioIo::new(tls))
+            .await
+            .expect("h2 handshake");
+    tokio::spawn(conn);
+    let original = pod(json!({a::INJECT: "true"}));
+    let review = pod_review(original.clone());
+    let req = Request::builder()
+        .method(http::Method::POST)
+        .uri(format!("https://{SERVICE_DNS}/inject"))
+        .header(http::header::CONTENT_TYPE, "application/json")
+        .body(Full::new(Bytes::from(serde_json::to_vec(&review).expect("json"))))
+        .expect("request");
+    let res = sender.send_request(req).await.expect("response");
+    assert_eq!(res.status(), StatusCode::OK);
+    assert_eq!(res.version(), http::Version::HTTP_2);
+    let body: Value = serde_json::from_slice(&res.into_body().collect().await.expect("body").to_bytes()).expect("json");
+    assert_valid_pod(&apply(&original, &body["response"]));
 }
 
 #[tokio::test]
