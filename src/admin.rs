@@ -19,12 +19,13 @@ use crate::upstream::Upstream;
 #[derive(Clone)]
 pub struct Readiness {
     locks: Locks,
-    upstream: Upstream,
+    /// `None` in transparent mode, where there is no single store to ask.
+    upstream: Option<Upstream>,
     shutdown: CancellationToken,
 }
 
 impl Readiness {
-    pub fn new(locks: Locks, upstream: Upstream, shutdown: CancellationToken) -> Self {
+    pub fn new(locks: Locks, upstream: Option<Upstream>, shutdown: CancellationToken) -> Self {
         Self {
             locks,
             upstream,
@@ -38,7 +39,12 @@ impl Readiness {
         }
         let (redis, upstream) = tokio::join!(
             tokio::time::timeout(Duration::from_secs(1), self.locks.ping()),
-            tokio::time::timeout(Duration::from_secs(1), self.upstream.ping()),
+            tokio::time::timeout(Duration::from_secs(1), async {
+                match &self.upstream {
+                    Some(u) => u.ping().await,
+                    None => true,
+                }
+            }),
         );
         let redis_ok = matches!(redis, Ok(Ok(())));
         let upstream_ok = matches!(upstream, Ok(true));

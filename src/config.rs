@@ -27,6 +27,10 @@ pub enum Command {
     Demo(DemoArgs),
     /// Check a running proxy's readiness (for container health checks); exits 0 when ready.
     Health(HealthArgs),
+    /// The Kubernetes sidecar-injection webhook (and `inject certs` for local clusters).
+    Inject(crate::inject::InjectArgs),
+    /// Install the pod's nat rules that send the agent's store traffic into the sidecar.
+    InitIptables(crate::transparent::InitIptablesArgs),
 }
 
 #[derive(Debug, Clone, Args)]
@@ -92,6 +96,11 @@ pub struct ProxyArgs {
     /// How long in-flight writes may take to finish at shutdown, in milliseconds.
     #[arg(long, env = "TURNLOCK_SHUTDOWN_GRACE_MS", default_value_t = 10_000)]
     pub shutdown_grace_ms: u64,
+    /// Transparent interception: forward each connection to its original destination
+    /// (`SO_ORIGINAL_DST`, set by `turnlock init-iptables` rules) instead of `--upstream`, which
+    /// then serves only connections made to the proxy directly.
+    #[arg(long, env = "TURNLOCK_TRANSPARENT")]
+    pub transparent: bool,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -195,6 +204,7 @@ impl ProxyArgs {
             redis_wait_timeout_ms: 50,
             max_batch: 128,
             shutdown_grace_ms: 10_000,
+            transparent: false,
         }
     }
 }

@@ -13,6 +13,9 @@
 //!   coalescing, and pass-through forwarding.
 //! - [`admin`]: `/metrics`, `/healthz`, `/readyz`.
 //! - [`sidecar`]: assembling and running the proxy, with graceful shutdown.
+//! - [`transparent`]: `init-iptables` and forwarding to each connection's original
+//!   destination, for agents whose store URL cannot be changed.
+//! - [`inject`]: the Kubernetes sidecar-injection webhook and its certificates.
 //! - [`store`]: the reference context store.
 //! - [`demo`]: lost updates without turnlock, none with it.
 //! - [`config`], [`server`], [`http`], [`metrics`], [`redis_conn`], [`client`],
@@ -23,6 +26,7 @@ pub mod client;
 pub mod config;
 pub mod demo;
 pub mod http;
+pub mod inject;
 pub mod lock;
 pub mod merge;
 pub mod metrics;
@@ -35,4 +39,5 @@ pub mod session;
 pub mod sidecar;
 pub mod store;
 pub mod telemetry;
+pub mod transparent;
 pub mod upstream;

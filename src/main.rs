@@ -67,6 +67,13 @@ async fn run(command: Command) -> Result<ExitCode, ConfigError> {
             }
             Err(e) => Err(ConfigError(e.to_string())),
         },
+        Command::Inject(args) => {
+            let shutdown = CancellationToken::new();
+            on_signal(shutdown.clone());
+            turnlock::inject::run(args, shutdown).await?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::InitIptables(args) => turnlock::transparent::run_init_iptables(args).await,
         Command::Health(args) => {
             let client = turnlock::client::JsonClient::new(format!("http://{}", args.admin));
             match client.send(http::Method::GET, "/readyz", None, &[]).await {

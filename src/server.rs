@@ -22,11 +22,36 @@ pub const MAX_HEADERS: usize = 100;
 /// Largest request head buffered, in bytes.
 pub const MAX_HEAD_BYTES: usize = 64 * 1024;
 
+/// What the handler learns about the connection a request came on.
+#[derive(Clone, Copy, Debug)]
+pub struct Conn {
+    pub peer: SocketAddr,
+    /// The address the client meant to reach before a nat REDIRECT rule sent it here
+    /// (`SO_ORIGINAL_DST`); only looked up when asked for.
+    pub original_dst: Option<SocketAddr>,
+}
+
 /// Serves `handler` on `listener` until `shutdown` fires, then stops accepting and gives open
 /// connections `grace` to finish their requests.
 pub async fn serve<H, F>(listener: TcpListener, handler: H, shutdown: CancellationToken, grace: Duration)
 where
     H: Fn(Request<Incoming>, SocketAddr) -> F + Clone + Send + Sync + 'static,
+    F: Future<Output = Response<Body>> + Send + 'static,
+{
+    let handler = move |req, conn: Conn| handler(req, conn.peer);
+    serve_with(listener, handler, false, shutdown, grace).await
+}
+
+/// Like [`serve`], with the connection's details; `original_dst` says whether to look up each
+/// accepted connection's original destination (transparent interception).
+pub async fn serve_with<H, F>(
+    listener: TcpListener,
+    handler: H,
+    original_dst: bool,
+    shutdown: CancellationToken,
+    grace: Duration,
+) where
+    H: Fn(Request<Incoming>, Conn) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Response<Body>> + Send + 'static,
 {
     let mut builder = auto::Builder::new(TokioExecutor::new());
@@ -52,10 +77,18 @@ where
             },
         };
         let _ = stream.set_nodelay(true);
+        let conn = Conn {
+            peer,
+            original_dst: if original_dst {
+                crate::transparent::original_dst(&stream)
+            } else {
+                None
+            },
+        };
         let handler = handler.clone();
         let service = hyper::service::service_fn(move |req| {
             let handler = handler.clone();
-            async move { Ok::<_, std::convert::Infallible>(handler(req, peer).await) }
+            async move { Ok::<_, std::convert::Infallible>(handler(req, conn).await) }
         });
         let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
         let conn = graceful.watch(conn.into_owned());

@@ -17,6 +17,7 @@ use crate::records::Records;
 use crate::redis_conn::RedisConn;
 use crate::routes::Routes;
 use crate::session::Keys;
+use crate::transparent::Destinations;
 use crate::upstream::Upstream;
 
 /// A running sidecar.
@@ -77,36 +78,27 @@ pub async fn start(args: ProxyArgs) -> Result<Running, ConfigError> {
             (Locks::Memory(locks), records)
         }
     };
-    let upstream = Upstream::new(
-        &args.upstream,
-        Duration::from_millis(args.upstream_timeout_ms),
-        metrics.clone(),
-    )
-    .map_err(ConfigError)?;
     let routes = match &args.routes {
         Some(path) => Routes::from_file(path, &args.session_prefix).map_err(|e| ConfigError(e.to_string()))?,
         None => Routes::canonical(&args.session_prefix).map_err(ConfigError)?,
     };
-    let pipeline = Pipeline::new(
-        locks.clone(),
+    let factory = ProxyFactory {
+        routes,
+        locks: locks.clone(),
         records,
-        upstream.clone(),
         keys,
-        metrics.clone(),
-        PipelineSettings {
+        metrics: metrics.clone(),
+        settings: PipelineSettings {
             budget: Duration::from_millis(args.lock_budget_ms),
             idempotency_ttl: Duration::from_secs(args.idempotency_ttl_secs),
             history_ttl: Duration::from_secs(args.history_ttl_secs),
             max_batch: args.max_batch,
         },
-    );
-    let proxy = Proxy::new(
-        routes,
-        upstream.clone(),
-        pipeline.clone(),
-        metrics.clone(),
-        args.max_body_bytes,
-    );
+        upstream_timeout: Duration::from_millis(args.upstream_timeout_ms),
+        max_body: args.max_body_bytes,
+    };
+    let upstream = factory.upstream(&args.upstream).map_err(ConfigError)?;
+    let proxy = factory.proxy(upstream.clone());
 
     let listener = TcpListener::bind(args.listen)
         .await
@@ -119,7 +111,10 @@ pub async fn start(args: ProxyArgs) -> Result<Running, ConfigError> {
 
     let shutdown = CancellationToken::new();
     let grace = Duration::from_millis(args.shutdown_grace_ms);
-    let readiness = Readiness::new(locks.clone(), upstream, shutdown.clone());
+    // In transparent mode each connection names its own store: readiness asks only Redis.
+    let readiness = Readiness::new(locks.clone(), (!args.transparent).then_some(upstream), shutdown.clone());
+    let destinations = Destinations::new(factory, proxy, addr);
+    let transparent = args.transparent;
     let admin_stop = CancellationToken::new();
     let admin_task = tokio::spawn(admin::serve(
         admin_listener,
@@ -133,13 +128,16 @@ pub async fn start(args: ProxyArgs) -> Result<Running, ConfigError> {
         let shutdown = shutdown.clone();
         let locks = locks.clone();
         tokio::spawn(async move {
-            let handler = move |req, peer| {
-                let proxy = proxy.clone();
-                async move { proxy.handle(req, peer).await }
+            let handler = {
+                let destinations = destinations.clone();
+                move |req, conn| {
+                    let destinations = destinations.clone();
+                    async move { destinations.handle(req, conn).await }
+                }
             };
-            crate::server::serve(listener, handler, shutdown.clone(), grace).await;
+            crate::server::serve_with(listener, handler, transparent, shutdown.clone(), grace).await;
             // Connections are closed; writes already under a lock finish (bounded by the grace).
-            if tokio::time::timeout(grace, pipeline.drain()).await.is_err() {
+            if tokio::time::timeout(grace, destinations.drain()).await.is_err() {
                 tracing::warn!("writes still in flight after the grace period");
             }
             let released = locks.release_all().await;
@@ -151,7 +149,7 @@ pub async fn start(args: ProxyArgs) -> Result<Running, ConfigError> {
             tracing::info!("stopped");
         })
     };
-    tracing::info!(%addr, admin = %admin_addr, upstream = %args.upstream, "turnlock proxy listening");
+    tracing::info!(%addr, admin = %admin_addr, upstream = %args.upstream, transparent, "turnlock proxy listening");
     Ok(Running {
         addr,
         admin: admin_addr,
@@ -171,4 +169,41 @@ fn spawn_sweeper(locks: std::sync::Arc<MemoryLocks>, records: Records) {
             records.sweep();
         }
     });
+}
+
+/// Builds a proxy (with its own write pipeline) for one store; the lock backend, records and
+/// metrics are shared, so writers of one session are serialized whichever store they address.
+pub(crate) struct ProxyFactory {
+    routes: Routes,
+    locks: Locks,
+    records: Records,
+    keys: Keys,
+    metrics: Metrics,
+    settings: PipelineSettings,
+    upstream_timeout: Duration,
+    max_body: usize,
+}
+
+impl ProxyFactory {
+    pub(crate) fn upstream(&self, url: &str) -> Result<Upstream, String> {
+        Upstream::new(url, self.upstream_timeout, self.metrics.clone())
+    }
+
+    pub(crate) fn proxy(&self, upstream: Upstream) -> Proxy {
+        let pipeline = Pipeline::new(
+            self.locks.clone(),
+            self.records.clone(),
+            upstream.clone(),
+            self.keys.clone(),
+            self.metrics.clone(),
+            self.settings.clone(),
+        );
+        Proxy::new(
+            self.routes.clone(),
+            upstream,
+            pipeline,
+            self.metrics.clone(),
+            self.max_body,
+        )
+    }
 }
