@@ -168,6 +168,8 @@ pub fn sidecar(settings: &Settings, defaults: &WebhookArgs) -> Container {
         // The kubelet probes the pod IP: the admin server (read-only endpoints) listens on all
         // interfaces.
         env_var("TURNLOCK_ADMIN", &format!("0.0.0.0:{}", defaults.admin_port)),
+        // Prometheus scrapes the pod IP too.
+        env_var("TURNLOCK_ADMIN_PUBLIC_METRICS", "true"),
         env_var("RUST_LOG", &settings.log_level),
     ];
     if let Some(u) = &settings.upstream {
