@@ -15,10 +15,12 @@
 //! - [`sidecar`]: assembling and running the proxy, with graceful shutdown.
 //! - [`store`]: the reference context store.
 //! - [`demo`]: lost updates without turnlock, none with it.
+//! - [`bench`]: turnlock measured side by side with the store alone and with naive locks.
 //! - [`config`], [`server`], [`http`], [`metrics`], [`redis_conn`], [`client`],
 //!   [`telemetry`]: the plumbing.
 
 pub mod admin;
+pub mod bench;
 pub mod client;
 pub mod config;
 pub mod demo;
