@@ -395,26 +395,8 @@ async fn merge_batch(s: &Shared, queue: &Queue, lease: &Lease, batch: &[Pending]
         };
         let current = fetched.doc;
         let current_version = current.as_ref().map(merge::version_of).unwrap_or(0);
-        let bases = load_bases(s, session, batch, current_version).await;
-        let mut doc: Option<Document> = current.clone();
-        let mut results = Vec::with_capacity(batch.len());
-        for p in batch {
-            let Action::Merge { op, .. } = &p.write.action else {
-                results.push(Err(MergeError::NotFound));
-                continue;
-            };
-            let base = match op {
-                Op::Put { base_version, .. } => bases.get(base_version),
-                _ => None,
-            };
-            match merge::apply(session, doc.as_ref(), p.write.turn, op, base, &mut RandomIds) {
-                Ok((next, applied)) => {
-                    doc = Some(next);
-                    results.push(Ok(applied));
-                }
-                Err(e) => results.push(Err(e)),
-            }
-        }
+        let bases = load_bases(s, session, batch, current.as_ref()).await;
+        let (doc, results) = apply_batch(session, current.as_ref(), batch, &bases);
         let refusals = |results: Vec<Result<merge::Applied, MergeError>>, on_ok: &Answer| -> Vec<Answer> {
             results
                 .into_iter()
@@ -439,7 +421,10 @@ async fn merge_batch(s: &Shared, queue: &Queue, lease: &Lease, batch: &[Pending]
                 ),
             );
         }
-        let new_version = merge::version_of(&next);
+        // One read-merge-write makes one new version, however many writes it carries.
+        let mut next = next;
+        let new_version = current_version + 1;
+        next.insert("version".into(), serde_json::Value::from(new_version));
         let fenced = fetched.etag.is_none();
         let precondition = match (&current, fetched.etag) {
             (None, _) => Precondition::Absent,
@@ -537,13 +522,101 @@ async fn merge_batch(s: &Shared, queue: &Queue, lease: &Lease, batch: &[Pending]
     }
 }
 
-/// The snapshots of the versions that merged PUTs in the batch were based on.
+/// Applies a batch's writes one after another to the current document. Consecutive appends
+/// are merged as one (the document is copied once for them, not once per write), each write
+/// still getting its own result.
+fn apply_batch(
+    session: &SessionId,
+    current: Option<&Document>,
+    batch: &[Pending],
+    bases: &HashMap<u64, Snapshot>,
+) -> (Option<Document>, Vec<Result<merge::Applied, MergeError>>) {
+    // `None` until a write applies: the current document is not copied before then.
+    let mut doc: Option<Document> = None;
+    let mut results = Vec::with_capacity(batch.len());
+    let mut i = 0;
+    while i < batch.len() {
+        let turn = batch[i].write.turn;
+        let run = batch[i..]
+            .iter()
+            .take_while(|p| {
+                p.write.turn == turn
+                    && matches!(
+                        &p.write.action,
+                        Action::Merge {
+                            op: Op::Append { .. },
+                            ..
+                        }
+                    )
+            })
+            .count();
+        if run > 1 {
+            let mut counts = Vec::with_capacity(run);
+            let mut messages = Vec::new();
+            for p in &batch[i..i + run] {
+                if let Action::Merge {
+                    op: Op::Append { messages: m },
+                    ..
+                } = &p.write.action
+                {
+                    counts.push(m.len());
+                    messages.extend(m.iter().cloned());
+                }
+            }
+            let on = doc.as_ref().or(current);
+            match merge::apply(session, on, turn, &Op::Append { messages }, None, &mut RandomIds) {
+                Ok((next, applied)) => {
+                    doc = Some(next);
+                    let mut ids = applied.message_ids.into_iter();
+                    for n in counts {
+                        results.push(Ok(merge::Applied {
+                            message_ids: ids.by_ref().take(n).collect(),
+                        }));
+                    }
+                }
+                Err(e) => results.extend((0..run).map(|_| Err(e.clone()))),
+            }
+            i += run;
+            continue;
+        }
+        let p = &batch[i];
+        i += 1;
+        let Action::Merge { op, .. } = &p.write.action else {
+            results.push(Err(MergeError::NotFound));
+            continue;
+        };
+        let base = match op {
+            Op::Put { base_version, .. } => bases.get(base_version),
+            _ => None,
+        };
+        match merge::apply(
+            session,
+            doc.as_ref().or(current),
+            p.write.turn,
+            op,
+            base,
+            &mut RandomIds,
+        ) {
+            Ok((next, applied)) => {
+                doc = Some(next);
+                results.push(Ok(applied));
+            }
+            Err(e) => results.push(Err(e)),
+        }
+    }
+    (doc, results)
+}
+
+/// The snapshots of the versions that merged PUTs in the batch were based on. The current
+/// version's is among them: a PUT that follows another write in the same batch no longer
+/// finds its base as the document it is applied to.
 async fn load_bases(
     s: &Shared,
     session: &SessionId,
     batch: &[Pending],
-    current_version: u64,
+    current: Option<&Document>,
 ) -> HashMap<u64, Snapshot> {
+    let current_version = current.map(merge::version_of).unwrap_or(0);
     let mut bases = HashMap::new();
     for p in batch {
         if let Action::Merge {
@@ -552,7 +625,13 @@ async fn load_bases(
         } = &p.write.action
         {
             let v = *base_version;
-            if v == current_version || v == 0 || bases.contains_key(&v) {
+            if v == 0 || bases.contains_key(&v) {
+                continue;
+            }
+            if v == current_version {
+                if let Some(doc) = current {
+                    bases.insert(v, Snapshot::of(doc));
+                }
                 continue;
             }
             if let Ok(Some(bytes)) = s.records.get(&s.keys.history(session, v)).await {
