@@ -141,6 +141,9 @@ pub struct BenchArgs {
     /// The wrk binary for the external pass-through figures (skipped when not installed).
     #[arg(long, default_value = "wrk")]
     pub wrk: String,
+    /// Run only these phases (comma-separated: resources, pass, write, hot); all by default.
+    #[arg(long, value_delimiter = ',')]
+    pub only: Vec<String>,
 }
 
 /// Bad configuration: reported with a clear message and exit code 64 (EX_USAGE).

@@ -213,7 +213,7 @@ impl Rig {
         };
         let acked: Arc<Mutex<Vec<String>>> = Arc::default();
         let busy = Arc::new(AtomicU64::new(0));
-        let batches_before = self.batch_totals().await;
+        let before = self.histograms().await;
         let cpu_before = self.proxies_cpu();
         let stats = if design == TURNLOCK {
             let proxies: Vec<String> = (0..self.proxies.len()).map(|n| self.proxy_url(n)).collect();
@@ -280,12 +280,12 @@ impl Rig {
             .await
         };
         let cpu_after = self.proxies_cpu();
-        let batches_after = self.batch_totals().await;
+        let after = self.histograms().await;
         let acked = std::mem::take(&mut *lock(&acked));
         let (lost, duplicated) = self.verify(&session, &acked).await?;
         let turnlock = design == TURNLOCK;
-        let mean_batch = match (batches_before, batches_after) {
-            (Some((s0, c0)), Some((s1, c1))) if turnlock && c1 > c0 => Some((s1 - s0) / (c1 - c0)),
+        let explained = match (before, after) {
+            (Some(b), Some(a)) if turnlock => Some(a.since(&b)),
             _ => None,
         };
         Ok(HotRow {
@@ -296,7 +296,11 @@ impl Rig {
             acked_total: acked.len() as u64,
             lost,
             duplicated,
-            mean_batch,
+            mean_batch: explained.as_ref().and_then(|h| h.batch.mean()),
+            mean_lock_wait_ms: explained.as_ref().and_then(|h| h.wait.mean()).map(|s| s * 1000.0),
+            mean_lock_hold_ms: explained.as_ref().and_then(|h| h.hold.mean()).map(|s| s * 1000.0),
+            mean_store_get_ms: explained.as_ref().and_then(|h| h.get.mean()).map(|s| s * 1000.0),
+            mean_store_put_ms: explained.as_ref().and_then(|h| h.put.mean()).map(|s| s * 1000.0),
             cpu_ms_per_1000: turnlock.then(|| cpu_ms_per_1000(cpu_before, cpu_after, acked.len().max(1) as f64)),
         })
     }
@@ -333,25 +337,91 @@ impl Rig {
             .ok_or_else(|| BenchError::Failed("redis INFO has no total_commands_processed".into()))
     }
 
-    /// Sum and count of the proxies' write-batch-size histograms.
-    async fn batch_totals(&self) -> Option<(f64, f64)> {
-        let mut total = (0.0, 0.0);
+    /// The proxies' histograms that explain a hot-session run, summed over all proxies.
+    async fn histograms(&self) -> Option<Histograms> {
+        let mut h = Histograms::default();
         for p in &self.proxies {
             let admin = p.admin?;
             let text = self.http.get(&format!("http://{admin}/metrics")).await.ok()?.body;
             let text = String::from_utf8_lossy(&text);
-            let value = |name: &str| -> Option<f64> {
+            let value = |name: &str| -> f64 {
                 text.lines()
-                    .find_map(|l| l.strip_prefix(name).and_then(|rest| rest.trim().parse().ok()))
+                    .filter_map(|l| l.strip_prefix(name))
+                    .filter_map(|rest| rest.rsplit(' ').next().and_then(|v| v.trim().parse::<f64>().ok()))
+                    .sum()
             };
-            total.0 += value("turnlock_write_batch_size_sum")?;
-            total.1 += value("turnlock_write_batch_size_count")?;
+            h.batch.add(
+                value("turnlock_write_batch_size_sum"),
+                value("turnlock_write_batch_size_count"),
+            );
+            h.hold.add(
+                value("turnlock_lock_hold_seconds_sum"),
+                value("turnlock_lock_hold_seconds_count"),
+            );
+            h.wait.add(
+                value("turnlock_lock_wait_seconds_sum"),
+                value("turnlock_lock_wait_seconds_count"),
+            );
+            h.get.add(
+                value("turnlock_upstream_request_seconds_sum{op=\"get\"}"),
+                value("turnlock_upstream_request_seconds_count{op=\"get\"}"),
+            );
+            h.put.add(
+                value("turnlock_upstream_request_seconds_sum{op=\"put\"}"),
+                value("turnlock_upstream_request_seconds_count{op=\"put\"}"),
+            );
         }
-        Some(total)
+        Some(h)
     }
 
     fn proxies_cpu(&self) -> Option<Duration> {
         self.proxies.iter().map(Child::cpu_time).sum()
+    }
+}
+
+/// A histogram's sum and count.
+#[derive(Clone, Copy, Default)]
+struct SumCount {
+    sum: f64,
+    count: f64,
+}
+
+impl SumCount {
+    fn add(&mut self, sum: f64, count: f64) {
+        self.sum += sum;
+        self.count += count;
+    }
+
+    fn mean(&self) -> Option<f64> {
+        (self.count > 0.0).then(|| self.sum / self.count)
+    }
+
+    fn since(&self, before: &SumCount) -> SumCount {
+        SumCount {
+            sum: self.sum - before.sum,
+            count: self.count - before.count,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Default)]
+struct Histograms {
+    batch: SumCount,
+    hold: SumCount,
+    wait: SumCount,
+    get: SumCount,
+    put: SumCount,
+}
+
+impl Histograms {
+    fn since(&self, before: &Histograms) -> Histograms {
+        Histograms {
+            batch: self.batch.since(&before.batch),
+            hold: self.hold.since(&before.hold),
+            wait: self.wait.since(&before.wait),
+            get: self.get.since(&before.get),
+            put: self.put.since(&before.put),
+        }
     }
 }
 
