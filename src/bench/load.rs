@@ -179,3 +179,47 @@ where
     }
     Stats::from(latencies, failed, phase.measure)
 }
+
+/// Runs rounds of `op(worker, round, end)`, one per worker at once, each round starting when
+/// every operation of the previous one has finished: the fan-out pattern, where parallel tool
+/// calls or sub-agents all write their results and the agent then moves on. Counted like
+/// [`closed_loop`].
+pub async fn bursts<F, Fut>(phase: Phase, op: F) -> Stats
+where
+    F: Fn(usize, u64, Instant) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = bool> + Send + 'static,
+{
+    let op = Arc::new(op);
+    let start = Instant::now();
+    let measure_from = start + phase.warmup;
+    let end = measure_from + phase.measure;
+    let mut latencies = Vec::new();
+    let mut failed = 0u64;
+    let mut round = 0u64;
+    while round < phase.max_ops_per_worker && Instant::now() < end {
+        let tasks: Vec<_> = (0..phase.workers)
+            .map(|w| {
+                let fut = op(w, round, end);
+                tokio::spawn(async move {
+                    let started = Instant::now();
+                    let ok = fut.await;
+                    (ok, started, Instant::now())
+                })
+            })
+            .collect();
+        for t in tasks {
+            let Ok((ok, started, finished)) = t.await else {
+                continue;
+            };
+            if finished >= measure_from && finished < end {
+                if ok {
+                    latencies.push(finished - started);
+                } else {
+                    failed += 1;
+                }
+            }
+        }
+        round += 1;
+    }
+    Stats::from(latencies, failed, phase.measure)
+}

@@ -14,7 +14,7 @@ use serde_json::{json, Value};
 use tokio::time::Instant;
 
 use super::baselines::{self, PollingLock, Waiting};
-use super::load::{closed_loop, Http, Phase};
+use super::load::{bursts, closed_loop, Http, Phase};
 use super::procs::{self, Child};
 use super::{BenchError, HotRow, PassRow, Plan, Resources, WriteRow};
 use crate::redis_conn::RedisConn;
@@ -22,6 +22,10 @@ use crate::redis_conn::RedisConn;
 pub const TURNLOCK: &str = "turnlock";
 pub const NAIVE: &str = "naive lock";
 pub const BACKOFF: &str = "backoff lock";
+/// Every writer writes again as soon as its write is answered.
+pub const STEADY: &str = "steady";
+/// Rounds: every writer writes once, the next round starts when all are answered.
+pub const BURSTS: &str = "bursts";
 
 /// Sessions each writer of the uncontended phase cycles through.
 const SESSIONS_PER_WRITER: u64 = 8;
@@ -196,15 +200,23 @@ impl Rig {
     pub async fn hot(&self, plan: &Plan) -> Result<Vec<HotRow>, BenchError> {
         let mut rows = Vec::new();
         for &writers in &plan.hot_levels {
-            for design in [TURNLOCK, BACKOFF, NAIVE] {
-                rows.push(self.hot_one(plan, writers, design).await?);
+            for load in [STEADY, BURSTS] {
+                for design in [TURNLOCK, BACKOFF, NAIVE] {
+                    rows.push(self.hot_one(plan, writers, design, load).await?);
+                }
             }
         }
         Ok(rows)
     }
 
-    async fn hot_one(&self, plan: &Plan, writers: usize, design: &'static str) -> Result<HotRow, BenchError> {
-        let session = format!("hot-{}-{writers}", design.replace(' ', "-"));
+    async fn hot_one(
+        &self,
+        plan: &Plan,
+        writers: usize,
+        design: &'static str,
+        load: &'static str,
+    ) -> Result<HotRow, BenchError> {
+        let session = format!("hot-{}-{load}-{writers}", design.replace(' ', "-"));
         let phase = Phase {
             workers: writers,
             warmup: plan.warmup,
@@ -218,7 +230,7 @@ impl Rig {
         let stats = if design == TURNLOCK {
             let proxies: Vec<String> = (0..self.proxies.len()).map(|n| self.proxy_url(n)).collect();
             let (http, acked, busy, session) = (self.http.clone(), acked.clone(), busy.clone(), session.clone());
-            closed_loop(phase, move |w, seq, end| {
+            drive(load, phase, move |w, seq, end| {
                 let proxy = proxies[w % proxies.len()].clone();
                 let (http, acked, busy, session) = (http.clone(), acked.clone(), busy.clone(), session.clone());
                 async move {
@@ -254,7 +266,7 @@ impl Rig {
             let lock_key = format!("bench:lock:{session}");
             let polling = PollingLock::new(self.redis_conn.clone(), waiting);
             let (http, store, acked, session) = (self.http.clone(), self.store_url(), acked.clone(), session.clone());
-            closed_loop(phase, move |w, seq, end| {
+            drive(load, phase, move |w, seq, end| {
                 let (http, store, acked, session, polling, lock_key) = (
                     http.clone(),
                     store.clone(),
@@ -291,6 +303,7 @@ impl Rig {
         Ok(HotRow {
             writers,
             design: design.to_owned(),
+            load: load.to_owned(),
             stats,
             busy: busy.load(Ordering::Relaxed),
             acked_total: acked.len() as u64,
@@ -376,6 +389,19 @@ impl Rig {
 
     fn proxies_cpu(&self) -> Option<Duration> {
         self.proxies.iter().map(Child::cpu_time).sum()
+    }
+}
+
+/// Runs `op` in the way `load` names.
+async fn drive<F, Fut>(load: &str, phase: Phase, op: F) -> super::Stats
+where
+    F: Fn(usize, u64, Instant) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = bool> + Send + 'static,
+{
+    if load == BURSTS {
+        bursts(phase, op).await
+    } else {
+        closed_loop(phase, op).await
     }
 }
 
