@@ -102,10 +102,12 @@ impl Locks {
         let started = Instant::now();
         let token = format!("{:032x}", rand::random::<u128>());
         let mut backoff = BACKOFF_MIN;
+        // The fast path (lock free) sends one command: no release channel is watched until
+        // an attempt finds the lock held. From then on a watch is always registered before
+        // the next attempt, so a release between an attempt and the wait is not missed, and
+        // the channel stays subscribed for as long as this writer waits.
+        let mut wake: Option<Wake> = None;
         let result = loop {
-            // Register interest before the attempt, so a release between the attempt and the
-            // wait is not missed.
-            let wake = self.watch(key);
             let sent = Instant::now();
             match self.try_acquire(key, fence_key, &token).await {
                 Ok(Attempt::Granted { fence }) => {
@@ -116,8 +118,13 @@ impl Locks {
                     if now >= deadline {
                         break Err(LockError::Busy(now - started));
                     }
+                    let Some(current) = wake.take() else {
+                        wake = Some(self.watch(key));
+                        continue;
+                    };
+                    wake = Some(self.watch(key));
                     let pause = jitter(backoff).min(remaining).min(deadline - now);
-                    wake.wait(pause.max(Duration::from_micros(100))).await;
+                    current.wait(pause.max(Duration::from_micros(100))).await;
                     backoff = (backoff * 2).min(BACKOFF_MAX);
                 }
                 Err(e) => break Err(e),
