@@ -277,13 +277,19 @@ fn targets(r: &Report) -> Vec<Target> {
         out.push(Target {
             figure: format!("hot session, 32 writers ({load}), vs naive lock"),
             target: ">= 10x".into(),
-            measured: format!("{vs_naive:.1}x ({:.0} vs {:.0} acked/s)", t.stats.per_sec, n.stats.per_sec),
+            measured: format!(
+                "{vs_naive:.1}x ({:.0} vs {:.0} acked/s)",
+                t.stats.per_sec, n.stats.per_sec
+            ),
             met: vs_naive >= 10.0,
         });
         out.push(Target {
             figure: format!("hot session, 32 writers ({load}), vs backoff lock"),
             target: ">= 3x".into(),
-            measured: format!("{vs_backoff:.1}x ({:.0} vs {:.0} acked/s)", t.stats.per_sec, b.stats.per_sec),
+            measured: format!(
+                "{vs_backoff:.1}x ({:.0} vs {:.0} acked/s)",
+                t.stats.per_sec, b.stats.per_sec
+            ),
             met: vs_backoff >= 3.0,
         });
         out.push(Target {

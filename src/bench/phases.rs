@@ -41,8 +41,8 @@ const MAX_ATTEMPTS: u32 = 1_000;
 pub struct Rig {
     proxies: Vec<Child>,
     store: Child,
-    /// Kept only to be stopped last.
-    _redis: Child,
+    /// Stopped last.
+    redis: Child,
     http: Http,
     redis_conn: RedisConn,
 }
@@ -58,7 +58,7 @@ impl Rig {
         let redis_conn = RedisConn::open(&format!("redis://{}", redis.addr), Duration::from_secs(2))
             .map_err(|e| BenchError::Start(e.to_string()))?;
         Ok(Self {
-            _redis: redis,
+            redis,
             store,
             proxies: started,
             http: Http::new(),
@@ -169,7 +169,6 @@ impl Rig {
             })
             .await;
 
-            let commands_before = self.redis_commands().await?;
             let cpu_before = self.proxies[0].cpu_time();
             let total = Arc::new(AtomicU64::new(0));
             let (http, proxy, counted) = (self.http.clone(), self.proxy_url(0), total.clone());
@@ -184,13 +183,12 @@ impl Rig {
             })
             .await;
             let cpu_after = self.proxies[0].cpu_time();
-            let commands = self.redis_commands().await?.saturating_sub(commands_before + 1);
             let writes = total.load(Ordering::Relaxed).max(1) as f64;
             rows.push(WriteRow {
                 concurrency: c,
                 direct,
                 proxy: through,
-                redis_commands_per_write: commands as f64 / writes,
+                redis_commands_per_write: self.redis_commands_per_write(c).await?,
                 proxy_cpu_ms_per_1000: cpu_ms_per_1000(cpu_before, cpu_after, writes),
             });
         }
@@ -338,16 +336,45 @@ impl Rig {
         Ok((lost, (stored.len() - unique.len()) as u64))
     }
 
-    async fn redis_commands(&self) -> Result<u64, BenchError> {
-        let info: String = self
-            .redis_conn
-            .run(|mut c| async move { redis::cmd("INFO").arg("stats").query_async(&mut c).await })
-            .await
-            .map_err(|e| BenchError::Failed(format!("redis INFO: {e}")))?;
-        info.lines()
-            .find_map(|l| l.strip_prefix("total_commands_processed:"))
-            .and_then(|v| v.trim().parse().ok())
-            .ok_or_else(|| BenchError::Failed("redis INFO has no total_commands_processed".into()))
+    /// Commands the proxy sends to Redis per uncontended append, counted with `MONITOR`
+    /// (commands that scripts run inside Redis are not counted: they cost no round trip).
+    async fn redis_commands_per_write(&self, tag: usize) -> Result<f64, BenchError> {
+        use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+        const SESSIONS: usize = 8;
+        const WRITES: usize = 200;
+        let proxy = self.proxy_url(0);
+        // The sessions exist first: a session's first write also creates it.
+        for s in 0..SESSIONS {
+            append(&self.http, &proxy, &format!("rt-{tag}-{s}"), "created").await;
+        }
+        let fail = |e: std::io::Error| BenchError::Failed(format!("redis MONITOR: {e}"));
+        let mut monitor = tokio::net::TcpStream::connect(self.redis.addr).await.map_err(fail)?;
+        monitor.write_all(b"MONITOR\r\n").await.map_err(fail)?;
+        let mut lines = BufReader::new(monitor).lines();
+        let ok = lines.next_line().await.map_err(fail)?;
+        if ok.as_deref() != Some("+OK") {
+            return Err(BenchError::Failed(format!("redis MONITOR answered {ok:?}")));
+        }
+        let counter = tokio::spawn(async move {
+            let mut n = 0u64;
+            while let Ok(Ok(Some(line))) = tokio::time::timeout(Duration::from_millis(300), lines.next_line()).await {
+                if !line.contains(" lua]") {
+                    n += 1;
+                }
+            }
+            n
+        });
+        for i in 0..WRITES {
+            append(
+                &self.http,
+                &proxy,
+                &format!("rt-{tag}-{}", i % SESSIONS),
+                &format!("rt{i}"),
+            )
+            .await;
+        }
+        let commands = counter.await.map_err(|e| BenchError::Failed(e.to_string()))?;
+        Ok(commands as f64 / WRITES as f64)
     }
 
     /// The proxies' histograms that explain a hot-session run, summed over all proxies.
