@@ -233,7 +233,7 @@ fn targets(r: &Report) -> Vec<Target> {
             met: added <= 0.1,
         });
     }
-    if let Some(row) = r.passthrough.iter().max_by_key(|p| p.concurrency) {
+    for row in &r.passthrough {
         let (proxy, direct, tool) = match (&row.wrk_proxy, &row.wrk_direct) {
             (Some(p), Some(d)) => (p.per_sec, d.per_sec, "wrk"),
             _ => (row.proxy.per_sec, row.direct.per_sec, "own client"),
