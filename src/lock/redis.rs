@@ -14,6 +14,7 @@ use tokio::sync::{mpsc, Notify};
 
 use super::{Attempt, LockError, LockSettings, Reservation, Wake};
 use crate::metrics::Metrics;
+use crate::records::Entry;
 use crate::redis_conn::RedisConn;
 use crate::session::Keys;
 
@@ -139,12 +140,23 @@ impl RedisLocks {
         Ok(held == 1)
     }
 
-    pub(super) async fn release(&self, key: &str, token: &str) -> Result<bool, LockError> {
+    /// Stores `records`, then releases, in one round trip (see `release.lua`).
+    pub(super) async fn release(&self, key: &str, token: &str, records: &[Entry]) -> Result<bool, LockError> {
         let channel = self.keys.released(key);
         let script = &self.scripts.release;
         let released: i64 = self
             .conn
-            .run(|mut c| async move { script.key(key).arg(token).arg(&channel).invoke_async(&mut c).await })
+            .run(|mut c| async move {
+                let mut invocation = script.key(key);
+                for r in records {
+                    invocation.key(&r.key);
+                }
+                invocation.arg(token).arg(&channel);
+                for r in records {
+                    invocation.arg(r.value.as_ref()).arg(r.ttl.as_millis() as u64);
+                }
+                invocation.invoke_async(&mut c).await
+            })
             .await
             .map_err(backend)?;
         Ok(released == 1)

@@ -28,7 +28,7 @@ use crate::http::{etag_for, full, strip_hop_by_hop};
 use crate::lock::{Lease, LockError, Locks, Reservation};
 use crate::merge::{self, Document, MergeError, Op, RandomIds, Snapshot};
 use crate::metrics::Metrics;
-use crate::records::Records;
+use crate::records::{Entry, Records};
 use crate::session::{is_stale, Keys, SessionId};
 use crate::upstream::{Precondition, Upstream, UpstreamError, FENCING_TOKEN};
 
@@ -335,7 +335,7 @@ async fn lead_queue(s: Arc<Shared>, queue: Arc<Queue>, queue_key: String) {
                     batch = batch.len(),
                     outcome = tracing::field::Empty,
                 );
-                let answers = commit(&s, &queue, &lease, &batch).instrument(span.clone()).await;
+                let (answers, records) = commit(&s, &queue, &lease, &batch).instrument(span.clone()).await;
                 let ok = answers.iter().filter(|a| a.status.is_success()).count();
                 span.record(
                     "outcome",
@@ -347,7 +347,15 @@ async fn lead_queue(s: Arc<Shared>, queue: Arc<Queue>, queue_key: String) {
                         "partial"
                     },
                 );
-                lease.release(&s.metrics).await;
+                // The records go before the lock: with Redis, in the release's own round trip.
+                if s.locks.carries_records() {
+                    lease.release_with(&s.metrics, records).await;
+                } else {
+                    if let Err(e) = s.records.put_entries(records).await {
+                        tracing::warn!(error = %e, "idempotency records and version snapshot not stored");
+                    }
+                    lease.release(&s.metrics).await;
+                }
                 for (p, a) in batch.into_iter().zip(answers) {
                     let _ = p.reply.send(a);
                 }
@@ -357,33 +365,40 @@ async fn lead_queue(s: Arc<Shared>, queue: Arc<Queue>, queue_key: String) {
     s.queues.remove_if(&queue_key, |_, q| q.is_idle());
 }
 
-/// Everything done under one grant: the read-merge-write (or the serialized forwards) and the
-/// records, before the lock is released. Returns one answer per write, in order.
-async fn commit(s: &Shared, queue: &Queue, lease: &Lease, batch: &[Pending]) -> Vec<Answer> {
+/// Everything done under one grant: the read-merge-write (or the serialized forwards). Returns
+/// one answer per write, in order, and the records to store before the lock is released (the
+/// version snapshot of what was written, the idempotency results).
+async fn commit(s: &Shared, queue: &Queue, lease: &Lease, batch: &[Pending]) -> (Vec<Answer>, Vec<Entry>) {
+    let mut records = Vec::new();
     let answers = match &batch[0].write.action {
-        Action::Merge { document, .. } => merge_batch(s, queue, lease, batch, document).await,
+        Action::Merge { document, .. } => merge_batch(s, queue, lease, batch, document, &mut records).await,
         Action::Serialize { .. } => serialize_batch(s, queue, lease, batch).await,
     };
-    // Idempotency records, in one round trip, while the lock is still held.
-    let records: Vec<(String, Bytes)> = batch
-        .iter()
-        .zip(&answers)
-        .filter(|(_, a)| a.is_final())
-        .filter_map(|(p, a)| {
-            let idem = p.write.idempotency.as_ref()?;
-            Some((
-                s.keys.idempotency(&p.write.session, &idem.key_digest),
-                Record::done(&idem.fingerprint, a)?,
-            ))
-        })
-        .collect();
-    if let Err(e) = s.records.put_many(records, s.settings.idempotency_ttl).await {
-        tracing::warn!(error = %e, "idempotency records not stored; retries may apply again");
-    }
-    answers
+    records.extend(
+        batch
+            .iter()
+            .zip(&answers)
+            .filter(|(_, a)| a.is_final())
+            .filter_map(|(p, a)| {
+                let idem = p.write.idempotency.as_ref()?;
+                Some(Entry {
+                    key: s.keys.idempotency(&p.write.session, &idem.key_digest),
+                    value: Record::done(&idem.fingerprint, a)?,
+                    ttl: s.settings.idempotency_ttl,
+                })
+            }),
+    );
+    (answers, records)
 }
 
-async fn merge_batch(s: &Shared, queue: &Queue, lease: &Lease, batch: &[Pending], path: &str) -> Vec<Answer> {
+async fn merge_batch(
+    s: &Shared,
+    queue: &Queue,
+    lease: &Lease,
+    batch: &[Pending],
+    path: &str,
+    records: &mut Vec<Entry>,
+) -> Vec<Answer> {
     let started = Instant::now();
     let session = &queue.session;
     let mut attempt = 0;
@@ -470,11 +485,11 @@ async fn merge_batch(s: &Shared, queue: &Queue, lease: &Lease, batch: &[Pending]
                         tracing::warn!(error = %e, "version fence not settled; its reservation expires with the lease");
                     }
                 }
-                let snapshot = Bytes::from(serde_json::to_vec(&Snapshot::of(&next)).unwrap_or_default());
-                let history = vec![(s.keys.history(session, new_version), snapshot)];
-                if let Err(e) = s.records.put_many(history, s.settings.history_ttl).await {
-                    tracing::warn!(error = %e, "version snapshot not stored; merged PUTs based on it will conflict");
-                }
+                records.push(Entry {
+                    key: s.keys.history(session, new_version),
+                    value: Bytes::from(serde_json::to_vec(&Snapshot::of(&next)).unwrap_or_default()),
+                    ttl: s.settings.history_ttl,
+                });
                 let status = if current.is_none() {
                     StatusCode::CREATED
                 } else {
