@@ -23,8 +23,15 @@ pub fn free_port() -> u16 {
 /// need it fail (never skip) when it is missing.
 pub fn redis_server_bin() -> String {
     let bin = std::env::var("TURNLOCK_REDIS_SERVER").unwrap_or_else(|_| "redis-server".into());
-    let found = Command::new(&bin).arg("--version").stdout(Stdio::null()).status().is_ok();
-    assert!(found, "{bin} not found: install Redis (e.g. `apt-get install -y redis-server`) or set TURNLOCK_REDIS_SERVER");
+    let found = Command::new(&bin)
+        .arg("--version")
+        .stdout(Stdio::null())
+        .status()
+        .is_ok();
+    assert!(
+        found,
+        "{bin} not found: install Redis (e.g. `apt-get install -y redis-server`) or set TURNLOCK_REDIS_SERVER"
+    );
     bin
 }
 
@@ -54,7 +61,16 @@ impl RedisServer {
 
     fn spawn(&mut self) {
         let child = Command::new(redis_server_bin())
-            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .args([
+                "--port",
+                &self.port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
             .args(["--dir", self.dir.path().to_str().expect("utf-8 path")])
             .args(&self.extra)
             .stdout(Stdio::null())
@@ -173,7 +189,10 @@ impl Proc {
     }
 
     pub fn signal(&self, sig: &str) {
-        let status = Command::new("kill").args([&format!("-{sig}"), &self.pid().to_string()]).status().expect("kill");
+        let status = Command::new("kill")
+            .args([&format!("-{sig}"), &self.pid().to_string()])
+            .status()
+            .expect("kill");
         assert!(status.success(), "kill -{sig} failed");
     }
 }
