@@ -2,6 +2,7 @@
 //! `turnlock store` has an environment variable `TURNLOCK_<NAME>`; the defaults are here.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
@@ -31,6 +32,9 @@ pub enum Command {
     Inject(crate::inject::InjectArgs),
     /// Install the pod's nat rules that send the agent's store traffic into the sidecar.
     InitIptables(crate::transparent::InitIptablesArgs),
+    /// Measure turnlock side by side with going straight to the store and with naive locks;
+    /// starts Redis, a store and proxies on loopback by itself.
+    Bench(BenchArgs),
 }
 
 #[derive(Debug, Clone, Args)]
@@ -144,6 +148,28 @@ pub struct HealthArgs {
     /// The admin address to ask.
     #[arg(long, env = "TURNLOCK_ADMIN", default_value = "127.0.0.1:9901")]
     pub admin: SocketAddr,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct BenchArgs {
+    /// A short run (about a second per phase, fewer levels) for CI smoke checks.
+    #[arg(long)]
+    pub quick: bool,
+    /// Seconds each measured phase runs (default 3; 1 with --quick).
+    #[arg(long)]
+    pub phase_secs: Option<f64>,
+    /// Where the machine-readable result is written.
+    #[arg(long, default_value = "turnlock-bench.json")]
+    pub out: PathBuf,
+    /// The redis-server binary to start.
+    #[arg(long, env = "TURNLOCK_REDIS_SERVER", default_value = "redis-server")]
+    pub redis_server: String,
+    /// The wrk binary for the external pass-through figures (skipped when not installed).
+    #[arg(long, default_value = "wrk")]
+    pub wrk: String,
+    /// Run only these phases (comma-separated: resources, pass, write, hot); all by default.
+    #[arg(long, value_delimiter = ',')]
+    pub only: Vec<String>,
 }
 
 /// Bad configuration: reported with a clear message and exit code 64 (EX_USAGE).

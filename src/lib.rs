@@ -18,10 +18,12 @@
 //! - [`inject`]: the Kubernetes sidecar-injection webhook and its certificates.
 //! - [`store`]: the reference context store.
 //! - [`demo`]: lost updates without turnlock, none with it.
+//! - [`bench`]: turnlock measured side by side with the store alone and with naive locks.
 //! - [`config`], [`server`], [`http`], [`metrics`], [`redis_conn`], [`client`],
 //!   [`telemetry`]: the plumbing.
 
 pub mod admin;
+pub mod bench;
 pub mod client;
 pub mod config;
 pub mod demo;

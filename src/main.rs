@@ -74,6 +74,20 @@ async fn run(command: Command) -> Result<ExitCode, ConfigError> {
             Ok(ExitCode::SUCCESS)
         }
         Command::InitIptables(args) => turnlock::transparent::run_init_iptables(args).await,
+        Command::Bench(args) => match turnlock::bench::run(args).await {
+            Ok(report) => {
+                println!("{}", turnlock::bench::table(&report));
+                Ok(if report.lost_writes() == 0 {
+                    ExitCode::SUCCESS
+                } else {
+                    ExitCode::FAILURE
+                })
+            }
+            Err(e) => {
+                eprintln!("turnlock bench: {e}");
+                Ok(ExitCode::FAILURE)
+            }
+        },
         Command::Health(args) => {
             let client = turnlock::client::JsonClient::new(format!("http://{}", args.admin));
             match client.send(http::Method::GET, "/readyz", None, &[]).await {

@@ -14,6 +14,14 @@ use crate::redis_conn::RedisConn;
 #[error("record store unavailable: {0}")]
 pub struct RecordError(String);
 
+/// One record to store: key, value, and how long it lives.
+#[derive(Clone, Debug)]
+pub struct Entry {
+    pub key: String,
+    pub value: Bytes,
+    pub ttl: Duration,
+}
+
 #[derive(Clone)]
 pub enum Records {
     Memory(Arc<DashMap<String, (Bytes, Instant)>>),
@@ -97,6 +105,21 @@ impl Records {
                     .map_err(err)
             }
         }
+    }
+
+    /// Stores entries with their own lifetimes (grouped into one round trip per lifetime).
+    pub async fn put_entries(&self, entries: Vec<Entry>) -> Result<(), RecordError> {
+        let mut by_ttl: Vec<(Duration, Vec<(String, Bytes)>)> = Vec::new();
+        for e in entries {
+            match by_ttl.iter_mut().find(|(ttl, _)| *ttl == e.ttl) {
+                Some((_, items)) => items.push((e.key, e.value)),
+                None => by_ttl.push((e.ttl, vec![(e.key, e.value)])),
+            }
+        }
+        for (ttl, items) in by_ttl {
+            self.put_many(items, ttl).await?;
+        }
+        Ok(())
     }
 
     pub async fn delete(&self, key: &str) -> Result<(), RecordError> {

@@ -20,6 +20,7 @@ use dashmap::DashMap;
 use tokio::time::Instant;
 
 use crate::metrics::Metrics;
+use crate::records::Entry;
 
 /// Shortest and longest pause between two attempts when no release wakes the waiter.
 const BACKOFF_MIN: Duration = Duration::from_micros(500);
@@ -102,10 +103,12 @@ impl Locks {
         let started = Instant::now();
         let token = format!("{:032x}", rand::random::<u128>());
         let mut backoff = BACKOFF_MIN;
+        // The fast path (lock free) sends one command: no release channel is watched until
+        // an attempt finds the lock held. From then on a watch is always registered before
+        // the next attempt, so a release between an attempt and the wait is not missed, and
+        // the channel stays subscribed for as long as this writer waits.
+        let mut wake: Option<Wake> = None;
         let result = loop {
-            // Register interest before the attempt, so a release between the attempt and the
-            // wait is not missed.
-            let wake = self.watch(key);
             let sent = Instant::now();
             match self.try_acquire(key, fence_key, &token).await {
                 Ok(Attempt::Granted { fence }) => {
@@ -116,8 +119,13 @@ impl Locks {
                     if now >= deadline {
                         break Err(LockError::Busy(now - started));
                     }
+                    let Some(current) = wake.take() else {
+                        wake = Some(self.watch(key));
+                        continue;
+                    };
+                    wake = Some(self.watch(key));
                     let pause = jitter(backoff).min(remaining).min(deadline - now);
-                    wake.wait(pause.max(Duration::from_micros(100))).await;
+                    current.wait(pause.max(Duration::from_micros(100))).await;
                     backoff = (backoff * 2).min(BACKOFF_MAX);
                 }
                 Err(e) => break Err(e),
@@ -154,10 +162,23 @@ impl Locks {
     }
 
     async fn release_key(&self, key: &str, token: &str) -> Result<bool, LockError> {
+        self.release_key_with(key, token, &[]).await
+    }
+
+    /// Releases after storing `records`; only a backend that [`carries_records`] is given any.
+    ///
+    /// [`carries_records`]: Locks::carries_records
+    async fn release_key_with(&self, key: &str, token: &str, records: &[Entry]) -> Result<bool, LockError> {
         match self {
             Locks::Memory(m) => Ok(m.release(key, token)),
-            Locks::Redis(r) => r.release(key, token).await,
+            Locks::Redis(r) => r.release(key, token, records).await,
         }
+    }
+
+    /// Whether [`Lease::release_with`] stores records in the same round trip as the release
+    /// (Redis, where the records live too). Otherwise the caller stores them first.
+    pub fn carries_records(&self) -> bool {
+        matches!(self, Locks::Redis(_))
     }
 
     /// Reserves the next version for a store without ETags (see `fence_reserve.lua`).
@@ -332,13 +353,26 @@ impl Lease {
     }
 
     /// Gives the lock back; returns whether it was still held by this writer.
-    pub async fn release(mut self, metrics: &Metrics) -> bool {
+    pub async fn release(self, metrics: &Metrics) -> bool {
+        self.release_with(metrics, Vec::new()).await
+    }
+
+    /// Stores `records` (what was committed under the lock) and gives the lock back, in one
+    /// round trip. Only for a backend that [`Locks::carries_records`]; returns whether the
+    /// lock was still held by this writer.
+    pub async fn release_with(mut self, metrics: &Metrics, records: Vec<Entry>) -> bool {
         self.released = true;
         if let Some(r) = self.renewal.take() {
             r.abort();
         }
         metrics.lock_held(self.acquired.elapsed());
-        let result = self.locks.release_key(&self.key, &self.token).await;
+        let result = self.locks.release_key_with(&self.key, &self.token, &records).await;
+        if result.is_err() && !records.is_empty() {
+            tracing::warn!(
+                key = %self.key,
+                "idempotency records and version snapshot not stored; retries may apply again"
+            );
+        }
         self.locks.held().remove(&self.key);
         match result {
             Ok(held) => held,

@@ -14,6 +14,7 @@ use tokio::sync::{mpsc, Notify};
 
 use super::{Attempt, LockError, LockSettings, Reservation, Wake};
 use crate::metrics::Metrics;
+use crate::records::Entry;
 use crate::redis_conn::RedisConn;
 use crate::session::Keys;
 
@@ -151,7 +152,7 @@ impl RedisLocks {
             Ok(n) => n.to_string(),
             Err(e) => e.to_string(),
         };
-        if let Err(e) = self.release(key, token).await {
+        if let Err(e) = self.release(key, token, &[]).await {
             tracing::warn!(%key, error = %e, "unacknowledged grant not given back; it expires with its lease");
         }
         Err(LockError::Backend(format!(
@@ -193,12 +194,23 @@ impl RedisLocks {
         Ok(held == 1)
     }
 
-    pub(super) async fn release(&self, key: &str, token: &str) -> Result<bool, LockError> {
+    /// Stores `records`, then releases, in one round trip (see `release.lua`).
+    pub(super) async fn release(&self, key: &str, token: &str, records: &[Entry]) -> Result<bool, LockError> {
         let channel = self.keys.released(key);
         let script = &self.scripts.release;
         let released: i64 = self
             .conn
-            .run(|mut c| async move { script.key(key).arg(token).arg(&channel).invoke_async(&mut c).await })
+            .run(|mut c| async move {
+                let mut invocation = script.key(key);
+                for r in records {
+                    invocation.key(&r.key);
+                }
+                invocation.arg(token).arg(&channel);
+                for r in records {
+                    invocation.arg(r.value.as_ref()).arg(r.ttl.as_millis() as u64);
+                }
+                invocation.invoke_async(&mut c).await
+            })
             .await
             .map_err(backend)?;
         Ok(released == 1)

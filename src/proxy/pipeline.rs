@@ -28,7 +28,7 @@ use crate::http::{etag_for, full, strip_hop_by_hop};
 use crate::lock::{Lease, LockError, Locks, Reservation};
 use crate::merge::{self, Document, MergeError, Op, RandomIds, Snapshot};
 use crate::metrics::Metrics;
-use crate::records::Records;
+use crate::records::{Entry, Records};
 use crate::session::{is_stale, Keys, SessionId};
 use crate::upstream::{Precondition, Upstream, UpstreamError, FENCING_TOKEN};
 
@@ -335,7 +335,7 @@ async fn lead_queue(s: Arc<Shared>, queue: Arc<Queue>, queue_key: String) {
                     batch = batch.len(),
                     outcome = tracing::field::Empty,
                 );
-                let answers = commit(&s, &queue, &lease, &batch).instrument(span.clone()).await;
+                let (answers, records) = commit(&s, &queue, &lease, &batch).instrument(span.clone()).await;
                 let ok = answers.iter().filter(|a| a.status.is_success()).count();
                 span.record(
                     "outcome",
@@ -347,7 +347,15 @@ async fn lead_queue(s: Arc<Shared>, queue: Arc<Queue>, queue_key: String) {
                         "partial"
                     },
                 );
-                lease.release(&s.metrics).await;
+                // The records go before the lock: with Redis, in the release's own round trip.
+                if s.locks.carries_records() {
+                    lease.release_with(&s.metrics, records).await;
+                } else {
+                    if let Err(e) = s.records.put_entries(records).await {
+                        tracing::warn!(error = %e, "idempotency records and version snapshot not stored");
+                    }
+                    lease.release(&s.metrics).await;
+                }
                 for (p, a) in batch.into_iter().zip(answers) {
                     let _ = p.reply.send(a);
                 }
@@ -357,33 +365,40 @@ async fn lead_queue(s: Arc<Shared>, queue: Arc<Queue>, queue_key: String) {
     s.queues.remove_if(&queue_key, |_, q| q.is_idle());
 }
 
-/// Everything done under one grant: the read-merge-write (or the serialized forwards) and the
-/// records, before the lock is released. Returns one answer per write, in order.
-async fn commit(s: &Shared, queue: &Queue, lease: &Lease, batch: &[Pending]) -> Vec<Answer> {
+/// Everything done under one grant: the read-merge-write (or the serialized forwards). Returns
+/// one answer per write, in order, and the records to store before the lock is released (the
+/// version snapshot of what was written, the idempotency results).
+async fn commit(s: &Shared, queue: &Queue, lease: &Lease, batch: &[Pending]) -> (Vec<Answer>, Vec<Entry>) {
+    let mut records = Vec::new();
     let answers = match &batch[0].write.action {
-        Action::Merge { document, .. } => merge_batch(s, queue, lease, batch, document).await,
+        Action::Merge { document, .. } => merge_batch(s, queue, lease, batch, document, &mut records).await,
         Action::Serialize { .. } => serialize_batch(s, queue, lease, batch).await,
     };
-    // Idempotency records, in one round trip, while the lock is still held.
-    let records: Vec<(String, Bytes)> = batch
-        .iter()
-        .zip(&answers)
-        .filter(|(_, a)| a.is_final())
-        .filter_map(|(p, a)| {
-            let idem = p.write.idempotency.as_ref()?;
-            Some((
-                s.keys.idempotency(&p.write.session, &idem.key_digest),
-                Record::done(&idem.fingerprint, a)?,
-            ))
-        })
-        .collect();
-    if let Err(e) = s.records.put_many(records, s.settings.idempotency_ttl).await {
-        tracing::warn!(error = %e, "idempotency records not stored; retries may apply again");
-    }
-    answers
+    records.extend(
+        batch
+            .iter()
+            .zip(&answers)
+            .filter(|(_, a)| a.is_final())
+            .filter_map(|(p, a)| {
+                let idem = p.write.idempotency.as_ref()?;
+                Some(Entry {
+                    key: s.keys.idempotency(&p.write.session, &idem.key_digest),
+                    value: Record::done(&idem.fingerprint, a)?,
+                    ttl: s.settings.idempotency_ttl,
+                })
+            }),
+    );
+    (answers, records)
 }
 
-async fn merge_batch(s: &Shared, queue: &Queue, lease: &Lease, batch: &[Pending], path: &str) -> Vec<Answer> {
+async fn merge_batch(
+    s: &Shared,
+    queue: &Queue,
+    lease: &Lease,
+    batch: &[Pending],
+    path: &str,
+    records: &mut Vec<Entry>,
+) -> Vec<Answer> {
     let started = Instant::now();
     let session = &queue.session;
     let mut attempt = 0;
@@ -395,26 +410,8 @@ async fn merge_batch(s: &Shared, queue: &Queue, lease: &Lease, batch: &[Pending]
         };
         let current = fetched.doc;
         let current_version = current.as_ref().map(merge::version_of).unwrap_or(0);
-        let bases = load_bases(s, session, batch, current_version).await;
-        let mut doc: Option<Document> = current.clone();
-        let mut results = Vec::with_capacity(batch.len());
-        for p in batch {
-            let Action::Merge { op, .. } = &p.write.action else {
-                results.push(Err(MergeError::NotFound));
-                continue;
-            };
-            let base = match op {
-                Op::Put { base_version, .. } => bases.get(base_version),
-                _ => None,
-            };
-            match merge::apply(session, doc.as_ref(), p.write.turn, op, base, &mut RandomIds) {
-                Ok((next, applied)) => {
-                    doc = Some(next);
-                    results.push(Ok(applied));
-                }
-                Err(e) => results.push(Err(e)),
-            }
-        }
+        let bases = load_bases(s, session, batch, current.as_ref()).await;
+        let (doc, results) = apply_batch(session, current.as_ref(), batch, &bases);
         let refusals = |results: Vec<Result<merge::Applied, MergeError>>, on_ok: &Answer| -> Vec<Answer> {
             results
                 .into_iter()
@@ -487,11 +484,11 @@ async fn merge_batch(s: &Shared, queue: &Queue, lease: &Lease, batch: &[Pending]
                         tracing::warn!(error = %e, "version fence not settled; its reservation expires with the lease");
                     }
                 }
-                let snapshot = Bytes::from(serde_json::to_vec(&Snapshot::of(&next)).unwrap_or_default());
-                let history = vec![(s.keys.history(session, new_version), snapshot)];
-                if let Err(e) = s.records.put_many(history, s.settings.history_ttl).await {
-                    tracing::warn!(error = %e, "version snapshot not stored; merged PUTs based on it will conflict");
-                }
+                records.push(Entry {
+                    key: s.keys.history(session, new_version),
+                    value: Bytes::from(serde_json::to_vec(&Snapshot::of(&next)).unwrap_or_default()),
+                    ttl: s.settings.history_ttl,
+                });
                 let status = if current.is_none() {
                     StatusCode::CREATED
                 } else {
@@ -539,13 +536,101 @@ async fn merge_batch(s: &Shared, queue: &Queue, lease: &Lease, batch: &[Pending]
     }
 }
 
-/// The snapshots of the versions that merged PUTs in the batch were based on.
+/// Applies a batch's writes one after another to the current document. Consecutive appends
+/// are merged as one (the document is copied once for them, not once per write), each write
+/// still getting its own result.
+fn apply_batch(
+    session: &SessionId,
+    current: Option<&Document>,
+    batch: &[Pending],
+    bases: &HashMap<u64, Snapshot>,
+) -> (Option<Document>, Vec<Result<merge::Applied, MergeError>>) {
+    // `None` until a write applies: the current document is not copied before then.
+    let mut doc: Option<Document> = None;
+    let mut results = Vec::with_capacity(batch.len());
+    let mut i = 0;
+    while i < batch.len() {
+        let turn = batch[i].write.turn;
+        let run = batch[i..]
+            .iter()
+            .take_while(|p| {
+                p.write.turn == turn
+                    && matches!(
+                        &p.write.action,
+                        Action::Merge {
+                            op: Op::Append { .. },
+                            ..
+                        }
+                    )
+            })
+            .count();
+        if run > 1 {
+            let mut counts = Vec::with_capacity(run);
+            let mut messages = Vec::new();
+            for p in &batch[i..i + run] {
+                if let Action::Merge {
+                    op: Op::Append { messages: m },
+                    ..
+                } = &p.write.action
+                {
+                    counts.push(m.len());
+                    messages.extend(m.iter().cloned());
+                }
+            }
+            let on = doc.as_ref().or(current);
+            match merge::apply(session, on, turn, &Op::Append { messages }, None, &mut RandomIds) {
+                Ok((next, applied)) => {
+                    doc = Some(next);
+                    let mut ids = applied.message_ids.into_iter();
+                    for n in counts {
+                        results.push(Ok(merge::Applied {
+                            message_ids: ids.by_ref().take(n).collect(),
+                        }));
+                    }
+                }
+                Err(e) => results.extend((0..run).map(|_| Err(e.clone()))),
+            }
+            i += run;
+            continue;
+        }
+        let p = &batch[i];
+        i += 1;
+        let Action::Merge { op, .. } = &p.write.action else {
+            results.push(Err(MergeError::NotFound));
+            continue;
+        };
+        let base = match op {
+            Op::Put { base_version, .. } => bases.get(base_version),
+            _ => None,
+        };
+        match merge::apply(
+            session,
+            doc.as_ref().or(current),
+            p.write.turn,
+            op,
+            base,
+            &mut RandomIds,
+        ) {
+            Ok((next, applied)) => {
+                doc = Some(next);
+                results.push(Ok(applied));
+            }
+            Err(e) => results.push(Err(e)),
+        }
+    }
+    (doc, results)
+}
+
+/// The snapshots of the versions that merged PUTs in the batch were based on. The current
+/// version's is among them: a PUT that follows another write in the same batch no longer
+/// finds its base as the document it is applied to.
 async fn load_bases(
     s: &Shared,
     session: &SessionId,
     batch: &[Pending],
-    current_version: u64,
+    current: Option<&Document>,
 ) -> HashMap<u64, Snapshot> {
+    let current_version = current.map(merge::version_of).unwrap_or(0);
     let mut bases = HashMap::new();
     for p in batch {
         if let Action::Merge {
@@ -554,7 +639,13 @@ async fn load_bases(
         } = &p.write.action
         {
             let v = *base_version;
-            if v == current_version || v == 0 || bases.contains_key(&v) {
+            if v == 0 || bases.contains_key(&v) {
+                continue;
+            }
+            if v == current_version {
+                if let Some(doc) = current {
+                    bases.insert(v, Snapshot::of(doc));
+                }
                 continue;
             }
             if let Ok(Some(bytes)) = s.records.get(&s.keys.history(session, v)).await {

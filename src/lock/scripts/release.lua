@@ -1,10 +1,18 @@
--- Release a lock only if this owner still holds it, and wake the waiters.
+-- Release a lock only if this owner still holds it, and wake the waiters. The records of
+-- what was committed under the lock (idempotency results, version snapshots) are stored first,
+-- in the same round trip, so nobody can take the lock before they exist.
 --
--- KEYS[1]  the lock key
--- ARGV[1]  the owner token given at grant
--- ARGV[2]  the channel the release is announced on
+-- KEYS[1]      the lock key
+-- KEYS[2..n]   records to store (optional)
+-- ARGV[1]      the owner token given at grant
+-- ARGV[2]      the channel the release is announced on
+-- ARGV[3..]    for each record, in the order of KEYS[2..n]: its value, then its TTL in ms
 --
--- Reply: 1 released; 0 not held by this owner (expired, or taken over).
+-- Reply: 1 released; 0 not held by this owner (expired, or taken over). The records are
+-- stored either way: they describe writes the store has already confirmed.
+for i = 2, #KEYS do
+  redis.call('SET', KEYS[i], ARGV[2 * i - 1], 'PX', ARGV[2 * i])
+end
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('DEL', KEYS[1])
   redis.call('PUBLISH', ARGV[2], '1')

@@ -1,0 +1,211 @@
+//! The processes a benchmark run starts (redis-server, the store, the proxies) and what the
+//! kernel says about them: resident memory and CPU time, read from `/proc`.
+
+use std::net::{SocketAddr, TcpListener};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::BenchError;
+
+/// How long a started process may take to accept connections.
+const READY_WITHIN: Duration = Duration::from_secs(10);
+
+/// A child process, killed when dropped.
+pub struct Child {
+    pub name: String,
+    pub addr: SocketAddr,
+    /// The admin address, for a proxy.
+    pub admin: Option<SocketAddr>,
+    child: std::process::Child,
+}
+
+impl Child {
+    /// Starts `program args` and waits until it accepts connections on `addr`.
+    pub async fn spawn(name: &str, program: &Path, args: &[String], addr: SocketAddr) -> Result<Self, BenchError> {
+        let child = Command::new(program)
+            .args(args)
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .map_err(|e| BenchError::Start(format!("{name} ({}): {e}", program.display())))?;
+        let mut child = Self {
+            name: name.to_owned(),
+            addr,
+            admin: None,
+            child,
+        };
+        child.wait_ready().await?;
+        Ok(child)
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    async fn wait_ready(&mut self) -> Result<(), BenchError> {
+        let until = Instant::now() + READY_WITHIN;
+        while Instant::now() < until {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Err(BenchError::Start(format!("{} exited at start ({status})", self.name)));
+            }
+            if tokio::net::TcpStream::connect(self.addr).await.is_ok() {
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Err(BenchError::Start(format!(
+            "{} did not accept connections on {} within {READY_WITHIN:?}",
+            self.name, self.addr
+        )))
+    }
+
+    /// Resident memory in bytes.
+    pub fn rss_bytes(&self) -> Option<u64> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).ok()?;
+        let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+        let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+        Some(kib * 1024)
+    }
+
+    /// User plus system CPU time consumed so far.
+    pub fn cpu_time(&self) -> Option<Duration> {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.pid())).ok()?;
+        // The command name may contain spaces; the fields after it are fixed.
+        let rest = &stat[stat.rfind(')')? + 1..];
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        // After the name comes field 3 of stat(5) (state); utime is field 14, stime 15.
+        let utime: u64 = fields.get(11)?.parse().ok()?;
+        let stime: u64 = fields.get(12)?.parse().ok()?;
+        Some(Duration::from_secs_f64((utime + stime) as f64 / clock_ticks() as f64))
+    }
+}
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Clock ticks per second, the unit of `/proc/<pid>/stat` times.
+fn clock_ticks() -> u64 {
+    Command::new("getconf")
+        .arg("CLK_TCK")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .and_then(|s| s.trim().parse().ok())
+        .filter(|t| *t > 0)
+        .unwrap_or(100)
+}
+
+/// A free loopback address.
+pub fn free_addr() -> Result<SocketAddr, BenchError> {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map_err(|e| BenchError::Start(format!("no free loopback port: {e}")))
+}
+
+/// Whether `program` can be run at all.
+pub fn installed(program: &str, version_flag: &str) -> bool {
+    Command::new(program)
+        .arg(version_flag)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok()
+}
+
+/// Starts a Redis server without persistence on a free loopback port.
+pub async fn redis(program: &str) -> Result<Child, BenchError> {
+    if !installed(program, "--version") {
+        return Err(BenchError::Missing(format!(
+            "{program} not found: install Redis (e.g. `apt-get install -y redis-server`) or pass --redis-server"
+        )));
+    }
+    let addr = free_addr()?;
+    let args: Vec<String> = [
+        "--port",
+        &addr.port().to_string(),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        &std::env::temp_dir().to_string_lossy(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    Child::spawn("redis-server", Path::new(program), &args, addr).await
+}
+
+/// Starts `turnlock store` (documents in memory, with ETags) on a free loopback port.
+pub async fn store(exe: &Path) -> Result<Child, BenchError> {
+    let addr = free_addr()?;
+    let args = vec!["store".into(), "--listen".into(), addr.to_string()];
+    Child::spawn("store", exe, &args, addr).await
+}
+
+/// Starts `turnlock proxy` in front of `store`, with its locks in `redis`.
+pub async fn proxy(exe: &Path, n: usize, store: SocketAddr, redis: SocketAddr) -> Result<Child, BenchError> {
+    let addr = free_addr()?;
+    let admin = free_addr()?;
+    let args = vec![
+        "proxy".into(),
+        "--listen".into(),
+        addr.to_string(),
+        "--admin".into(),
+        admin.to_string(),
+        "--upstream".into(),
+        format!("http://{store}"),
+        "--redis".into(),
+        format!("redis://{redis}"),
+    ];
+    let mut child = Child::spawn(&format!("proxy {n}"), exe, &args, addr).await?;
+    child.admin = Some(admin);
+    Ok(child)
+}
+
+/// What the machine is, for the record.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Machine {
+    pub cores: usize,
+    pub cpu: String,
+    pub memory_mib: u64,
+    pub kernel: String,
+}
+
+pub fn machine() -> Machine {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let cpu = cpuinfo
+        .lines()
+        .find(|l| l.starts_with("model name"))
+        .and_then(|l| l.split_once(':'))
+        .map(|(_, v)| v.trim().to_owned())
+        .unwrap_or_else(|| "unknown".into());
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let memory_mib = meminfo
+        .lines()
+        .find(|l| l.starts_with("MemTotal:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|k| k.parse::<u64>().ok())
+        .map(|k| k / 1024)
+        .unwrap_or(0);
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_default();
+    Machine {
+        cores: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+        cpu,
+        memory_mib,
+        kernel,
+    }
+}

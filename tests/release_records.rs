@@ -1,0 +1,61 @@
+//! With Redis, what a write committed under the lock (its idempotency record, the version
+//! snapshot for three-way merges) is stored in the same round trip as the lock's release.
+
+mod common;
+
+use common::{client, get_doc, message_ids, proxy, proxy_args, store, RedisServer};
+use http::Method;
+use serde_json::json;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_stored_with_the_release_answer_retries_and_merges() {
+    let redis = RedisServer::start();
+    let store = store().await;
+    let proxy = proxy(proxy_args(store.addr, Some(&redis))).await;
+    let c = client(proxy.addr);
+    let body = json!({"turn": 1, "messages": [{"id": "m1", "role": "user", "content": "hi"}]});
+    let key = [("idempotency-key", "retry-1".to_owned())];
+
+    let first = c
+        .send(Method::POST, "/v1/sessions/r1/messages", Some(&body), &key)
+        .await
+        .expect("first");
+    assert_eq!(first.status.as_u16(), 201, "{:?}", first.json);
+    assert!(redis.keys("turnlock:session:*").is_empty(), "the lock was released");
+    assert_eq!(
+        redis.keys("turnlock:history:*").len(),
+        1,
+        "the version snapshot was stored"
+    );
+
+    let retry = c
+        .send(Method::POST, "/v1/sessions/r1/messages", Some(&body), &key)
+        .await
+        .expect("retry");
+    assert_eq!(retry.status, first.status);
+    assert_eq!(retry.json, first.json);
+    assert_eq!(
+        retry.headers.get("idempotent-replayed").and_then(|v| v.to_str().ok()),
+        Some("true")
+    );
+
+    // A full-document PUT based on that version merges against its snapshot.
+    let mut copy = get_doc(&c, "r1").await.json;
+    copy["state"] = json!({"k": 1});
+    let append = json!({"turn": 1, "messages": [{"id": "m2", "role": "user", "content": "more"}]});
+    let r = c
+        .send(Method::POST, "/v1/sessions/r1/messages", Some(&append), &[])
+        .await
+        .expect("append");
+    assert!(r.status.is_success());
+    let put = c
+        .send(Method::PUT, "/v1/sessions/r1", Some(&copy), &[])
+        .await
+        .expect("put");
+    assert!(put.status.is_success(), "{:?}", put.json);
+    let doc = get_doc(&c, "r1").await.json;
+    assert_eq!(message_ids(&doc), vec!["m1".to_owned(), "m2".to_owned()]);
+    assert_eq!(doc["state"]["k"], 1);
+    proxy.stop().await;
+    store.stop().await;
+}
