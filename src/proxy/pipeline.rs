@@ -57,6 +57,10 @@ struct Shared {
     metrics: Metrics,
     settings: Settings,
     queues: DashMap<String, Arc<Queue>>,
+    /// One gate per session with a leader in this process: leaders of different turns of one
+    /// session (different lock keys) take turns here instead of racing to the store and
+    /// retrying on its 412s.
+    gates: DashMap<SessionId, Arc<tokio::sync::Mutex<()>>>,
     tracker: TaskTracker,
     next_id: AtomicU64,
 }
@@ -101,6 +105,7 @@ impl Pipeline {
                 metrics,
                 settings,
                 queues: DashMap::new(),
+                gates: DashMap::new(),
                 tracker: TaskTracker::new(),
                 next_id: AtomicU64::new(1),
             }),
@@ -311,6 +316,10 @@ impl Queue {
 async fn lead_queue(s: Arc<Shared>, queue: Arc<Queue>, queue_key: String) {
     let fence_key = s.keys.fence_token(&queue.session);
     while let Some(deadline) = queue.next_deadline(s.settings.budget) {
+        let gate = s.gates.entry(queue.session.clone()).or_default().clone();
+        let Ok(_turn) = tokio::time::timeout_at(deadline, gate.lock_owned()).await else {
+            continue;
+        };
         match s.locks.acquire(&queue.lock_key, &fence_key, deadline, &s.metrics).await {
             Err(LockError::Busy(_)) => continue,
             Err(LockError::Backend(e)) => {
@@ -363,6 +372,8 @@ async fn lead_queue(s: Arc<Shared>, queue: Arc<Queue>, queue_key: String) {
         }
     }
     s.queues.remove_if(&queue_key, |_, q| q.is_idle());
+    // The gate goes when no leader holds or waits for it (only this map's reference is left).
+    s.gates.remove_if(&queue.session, |_, g| Arc::strong_count(g) == 1);
 }
 
 /// Everything done under one grant: the read-merge-write (or the serialized forwards). Returns
