@@ -66,17 +66,8 @@ pub async fn serve_with<H, F>(
         .keep_alive(true);
     let graceful = GracefulShutdown::new();
     loop {
-        let (stream, peer) = tokio::select! {
-            _ = shutdown.cancelled() => break,
-            accepted = listener.accept() => match accepted {
-                Ok(a) => a,
-                Err(error) => {
-                    // Out of descriptors or a transient network error: pause instead of spinning.
-                    tracing::warn!(%error, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
+        let Some((stream, peer)) = accept(&listener, &shutdown).await else {
+            break;
         };
         let _ = stream.set_nodelay(true);
         let conn = Conn {
@@ -103,5 +94,54 @@ pub async fn serve_with<H, F>(
     drop(listener);
     if tokio::time::timeout(grace, graceful.shutdown()).await.is_err() {
         tracing::warn!(?grace, "connections still open after the grace period; closing them");
+    }
+}
+
+/// A server running on its own task: its address, and how to stop it.
+pub struct Serving {
+    pub addr: SocketAddr,
+    shutdown: CancellationToken,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Serving {
+    pub fn new(addr: SocketAddr, shutdown: CancellationToken, task: tokio::task::JoinHandle<()>) -> Self {
+        Self { addr, shutdown, task }
+    }
+
+    /// Shuts down gracefully and waits until it has.
+    pub async fn stop(self) {
+        self.shutdown.cancel();
+        let _ = self.task.await;
+    }
+
+    /// The token that starts the graceful shutdown (for signal handlers).
+    pub fn shutdown_token(&self) -> CancellationToken {
+        self.shutdown.clone()
+    }
+
+    /// Waits until the server has stopped (after its shutdown token fired).
+    pub async fn wait(self) {
+        let _ = self.task.await;
+    }
+}
+
+/// The next connection, or `None` once `shutdown` fires. Accept errors (out of descriptors, a
+/// transient network error) are logged and retried after a pause instead of spinning.
+pub async fn accept(
+    listener: &TcpListener,
+    shutdown: &CancellationToken,
+) -> Option<(tokio::net::TcpStream, SocketAddr)> {
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return None,
+            accepted = listener.accept() => match accepted {
+                Ok(a) => return Some(a),
+                Err(error) => {
+                    tracing::warn!(%error, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            },
+        }
     }
 }

@@ -5,7 +5,6 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use tokio::net::TcpListener;
-use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::admin::{self, Readiness};
@@ -20,30 +19,28 @@ use crate::session::Keys;
 use crate::transparent::Destinations;
 use crate::upstream::Upstream;
 
-/// A running sidecar.
+/// A running sidecar: the agent-facing server, and what tests and the admin side look at.
 pub struct Running {
     pub addr: SocketAddr,
     pub admin: SocketAddr,
     pub metrics: Metrics,
     pub locks: Locks,
-    shutdown: CancellationToken,
-    task: JoinHandle<()>,
+    serving: crate::server::Serving,
 }
 
 impl Running {
-    /// Shuts down gracefully and waits until it has.
+    /// Shuts down gracefully (see [`start`]) and waits until it has.
     pub async fn stop(self) {
-        self.shutdown.cancel();
-        let _ = self.task.await;
+        self.serving.stop().await
     }
 
     pub fn shutdown_token(&self) -> CancellationToken {
-        self.shutdown.clone()
+        self.serving.shutdown_token()
     }
 
     /// Waits until the sidecar has stopped (after its shutdown token fired).
     pub async fn wait(self) {
-        let _ = self.task.await;
+        self.serving.wait().await
     }
 }
 
@@ -155,8 +152,7 @@ pub async fn start(args: ProxyArgs) -> Result<Running, ConfigError> {
         admin: admin_addr,
         metrics,
         locks,
-        shutdown,
-        task,
+        serving: crate::server::Serving::new(addr, shutdown, task),
     })
 }
 

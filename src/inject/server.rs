@@ -91,16 +91,8 @@ async fn serve(listener: TcpListener, acceptor: TlsAcceptor, args: Arc<WebhookAr
     let builder = Arc::new(builder);
     let graceful = Arc::new(GracefulShutdown::new());
     loop {
-        let (stream, peer) = tokio::select! {
-            _ = shutdown.cancelled() => break,
-            accepted = listener.accept() => match accepted {
-                Ok(a) => a,
-                Err(error) => {
-                    tracing::warn!(%error, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
+        let Some((stream, peer)) = crate::server::accept(&listener, &shutdown).await else {
+            break;
         };
         let acceptor = acceptor.clone();
         let args = args.clone();

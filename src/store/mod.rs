@@ -9,7 +9,6 @@ mod backend;
 
 pub use self::backend::Backend;
 
-use std::net::SocketAddr;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -19,7 +18,6 @@ use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
-use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{ConfigError, StoreArgs};
@@ -62,26 +60,7 @@ pub enum PutOutcome {
 }
 
 /// A running store.
-pub struct RunningStore {
-    pub addr: SocketAddr,
-    shutdown: CancellationToken,
-    task: JoinHandle<()>,
-}
-
-impl RunningStore {
-    pub async fn stop(self) {
-        self.shutdown.cancel();
-        let _ = self.task.await;
-    }
-
-    pub fn shutdown_token(&self) -> CancellationToken {
-        self.shutdown.clone()
-    }
-
-    pub async fn wait(self) {
-        let _ = self.task.await;
-    }
-}
+pub type RunningStore = crate::server::Serving;
 
 pub async fn start(args: StoreArgs) -> Result<RunningStore, ConfigError> {
     let backend = match &args.redis {
@@ -111,7 +90,7 @@ pub async fn start(args: StoreArgs) -> Result<RunningStore, ConfigError> {
         })
     };
     tracing::info!(%addr, etags = !args.no_etags, "turnlock reference store listening");
-    Ok(RunningStore { addr, shutdown, task })
+    Ok(RunningStore::new(addr, shutdown, task))
 }
 
 impl Store {
