@@ -63,16 +63,7 @@ fn health_subcommand_reports_readiness() {
     let store_port = free_port();
     let _store = Proc::spawn(&["store", "--listen", &format!("127.0.0.1:{store_port}")]);
     wait_for_port(store_port, Duration::from_secs(10));
-    let port = free_port();
-    let _proxy = Proc::spawn(&[
-        "proxy",
-        "--listen",
-        &format!("127.0.0.1:{port}"),
-        "--admin",
-        &format!("127.0.0.1:{admin}"),
-        "--upstream",
-        &format!("http://127.0.0.1:{store_port}"),
-    ]);
+    let _proxy = Proc::proxy(free_port(), admin, store_port, &[]);
     wait_for_port(admin, Duration::from_secs(10));
     let up = Command::new(turnlock_bin())
         .args(["health", "--admin", &format!("127.0.0.1:{admin}")])

@@ -35,20 +35,8 @@ struct Log {
 
 fn spawn_proxy(redis: &RedisServer, store_port: u16) -> (Proc, u16, u16) {
     let (port, admin) = (free_port(), free_port());
-    let proc = Proc::spawn(&[
-        "proxy",
-        "--listen",
-        &format!("127.0.0.1:{port}"),
-        "--admin",
-        &format!("127.0.0.1:{admin}"),
-        "--upstream",
-        &format!("http://127.0.0.1:{store_port}"),
-        "--redis",
-        &redis.url(),
-        "--lock-budget-ms",
-        "200",
-    ]);
-    wait_for_port(port, Duration::from_secs(10));
+    let url = redis.url();
+    let proc = Proc::proxy(port, admin, store_port, &["--redis", &url, "--lock-budget-ms", "200"]);
     (proc, port, admin)
 }
 

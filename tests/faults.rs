@@ -19,6 +19,15 @@ use turnlock::config::ProxyArgs;
 const LEASE_MS: u64 = 600;
 const BUDGET_MS: u64 = 300;
 
+/// Every lock is gone within a few leases (released, or expired after a fault).
+async fn assert_no_locks_left(redis: &RedisServer) {
+    let gone = eventually(lease() * 4, Duration::from_millis(50), || async {
+        lock_keys(redis).is_empty()
+    })
+    .await;
+    assert!(gone.is_some(), "locks left behind: {:?}", lock_keys(redis));
+}
+
 fn lease() -> Duration {
     Duration::from_millis(LEASE_MS)
 }
@@ -128,15 +137,7 @@ async fn paused_holder_late_write_is_refused() {
     assert!(ledger.acked_count() > 0, "no write went through during the pause");
     let doc = get_doc(&client(store.addr), &target).await.json;
     assert_eq!(doc["turn"], 3, "the stored turn moved backwards: {doc}");
-    assert!(
-        eventually(lease() * 4, Duration::from_millis(50), || async {
-            lock_keys(&redis).is_empty()
-        })
-        .await
-        .is_some(),
-        "locks left behind: {:?}",
-        lock_keys(&redis)
-    );
+    assert_no_locks_left(&redis).await;
     b.stop().await;
 }
 
@@ -229,15 +230,7 @@ async fn crashed_holder_locks_are_taken_over_after_the_lease() {
             "the dead holder's late write landed over newer data: {ids:?}"
         );
     }
-    assert!(
-        eventually(lease() * 4, Duration::from_millis(50), || async {
-            lock_keys(&redis).is_empty()
-        })
-        .await
-        .is_some(),
-        "locks left behind: {:?}",
-        lock_keys(&redis)
-    );
+    assert_no_locks_left(&redis).await;
     b.stop().await;
 }
 
@@ -303,15 +296,7 @@ async fn redis_restart_fails_writes_cleanly_and_recovers() {
         "{counts:?} (unexplained includes probes written while Redis was down)"
     );
     assert!(ledger.acked_count() > 0);
-    assert!(
-        eventually(lease() * 4, Duration::from_millis(50), || async {
-            lock_keys(&redis).is_empty()
-        })
-        .await
-        .is_some(),
-        "locks left behind: {:?}",
-        lock_keys(&redis)
-    );
+    assert_no_locks_left(&redis).await;
     p1.stop().await;
     p2.stop().await;
 }
@@ -372,15 +357,7 @@ async fn network_cut_to_redis_fails_writes_cleanly_and_recovers() {
     report("network cut proxy-Redis (blackhole, then dropped connections)", &counts);
     assert!(counts.clean(), "{counts:?}");
     assert!(ledger.acked_count() > 0);
-    assert!(
-        eventually(lease() * 4, Duration::from_millis(50), || async {
-            lock_keys(&redis).is_empty()
-        })
-        .await
-        .is_some(),
-        "locks left behind: {:?}",
-        lock_keys(&redis)
-    );
+    assert_no_locks_left(&redis).await;
     p1.stop().await;
     p2.stop().await;
 }

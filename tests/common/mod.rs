@@ -184,6 +184,21 @@ impl Proc {
         Self { child }
     }
 
+    /// A `turnlock proxy` process on `port` with its admin on `admin`, in front of the store at
+    /// `store_port`, with `extra` flags; returns once it listens.
+    pub fn proxy(port: u16, admin: u16, store_port: u16, extra: &[&str]) -> Self {
+        let (listen, admin, upstream) = (
+            format!("127.0.0.1:{port}"),
+            format!("127.0.0.1:{admin}"),
+            format!("http://127.0.0.1:{store_port}"),
+        );
+        let mut args = vec!["proxy", "--listen", &listen, "--admin", &admin, "--upstream", &upstream];
+        args.extend_from_slice(extra);
+        let proc = Self::spawn(&args);
+        wait_for_port(port, Duration::from_secs(10));
+        proc
+    }
+
     pub fn pid(&self) -> i32 {
         self.child.id() as i32
     }
