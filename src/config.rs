@@ -105,6 +105,10 @@ pub struct ProxyArgs {
     /// then serves only connections made to the proxy directly.
     #[arg(long, env = "TURNLOCK_TRANSPARENT")]
     pub transparent: bool,
+    /// How long a session's Redis keys (fencing counter, turn marks) outlive its last write,
+    /// in seconds. A session written again after that starts from what the store holds.
+    #[arg(long, env = "TURNLOCK_SESSION_TTL_SECS", default_value_t = 7 * 24 * 3600)]
+    pub session_ttl_secs: u64,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -183,6 +187,9 @@ impl ProxyArgs {
         if self.lock_budget_ms == 0 {
             return err("--lock-budget-ms must be at least 1");
         }
+        if self.session_ttl_secs == 0 {
+            return err("--session-ttl-secs must be at least 1");
+        }
         if self.lock_ttl_ms < 10 {
             return err("--lock-ttl-ms must be at least 10");
         }
@@ -231,6 +238,7 @@ impl ProxyArgs {
             max_batch: 128,
             shutdown_grace_ms: 10_000,
             transparent: false,
+            session_ttl_secs: 7 * 24 * 3600,
         }
     }
 }

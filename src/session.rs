@@ -118,8 +118,13 @@ pub fn is_stale(write_turn: u64, stored_turn: u64) -> bool {
 
 /// Builds the Redis keys turnlock uses, all under one configurable prefix.
 ///
-/// Every key embeds a [`SessionId`], which cannot contain `:`, so the last `:`-separated field
-/// of a key is always the session's own (or the turn), and no id can alias another's key.
+/// Every key of a session carries the session id as a Redis Cluster hash tag (`{<id>}`), so
+/// all keys one script touches share a slot. A [`SessionId`] cannot contain `:`, `{` or `}`,
+/// so no id can alias another's key.
+///
+/// - `<prefix>session:{<id>}:<turn>`: the lock of one turn (shared by the session's documents);
+/// - `<prefix>session:{<id>}:fence`: the fencing counter (monotonic, see `acquire.lua`);
+/// - `<prefix>session:{<id>}:d<scope>:…`: the keys of one protected document (see [`Scope`]).
 #[derive(Clone, Debug)]
 pub struct Keys {
     prefix: String,
@@ -130,9 +135,9 @@ impl Keys {
         Self { prefix: prefix.into() }
     }
 
-    /// The lock for one turn of one session: `<prefix>session:<id>:<turn>`.
+    /// The lock for one turn of one session: `<prefix>session:{<id>}:<turn>`.
     pub fn lock(&self, session: &SessionId, turn: u64) -> String {
-        format!("{}session:{}:{}", self.prefix, session, turn)
+        format!("{}session:{{{}}}:{}", self.prefix, session, turn)
     }
 
     /// The channel a lock's release is announced on.
@@ -142,32 +147,49 @@ impl Keys {
 
     /// The per-session fencing counter.
     pub fn fence_token(&self, session: &SessionId) -> String {
-        format!("{}fence:{}", self.prefix, session)
+        format!("{}session:{{{}}}:fence", self.prefix, session)
     }
 
-    /// The per-session committed version, for stores without ETags.
-    pub fn version_fence(&self, session: &SessionId) -> String {
-        format!("{}version:{}", self.prefix, session)
-    }
-
-    /// The per-session reservation of the next version while a write is in flight.
-    pub fn version_pending(&self, session: &SessionId) -> String {
-        format!("{}version:{}:pending", self.prefix, session)
-    }
-
-    /// The highest turn accepted in serialize mode (no document to read the turn from).
-    pub fn turn_mark(&self, session: &SessionId) -> String {
-        format!("{}turn:{}", self.prefix, session)
-    }
-
-    /// A snapshot of one version of a session, for three-way merges.
-    pub fn history(&self, session: &SessionId, version: u64) -> String {
-        format!("{}history:{}:{}", self.prefix, session, version)
+    /// The keys of one document (or serialized resource) of a session. `what` names what is
+    /// protected: the store and the document's path, or the store and the serialize route.
+    /// Two different documents with one session id never share these keys.
+    pub fn scope(&self, session: &SessionId, what: &str) -> Scope {
+        use sha2::{Digest, Sha256};
+        let digest = Sha256::digest(what.as_bytes());
+        let short: String = digest.iter().take(8).map(|b| format!("{b:02x}")).collect();
+        Scope {
+            base: format!("{}session:{{{}}}:d{}", self.prefix, session, short),
+        }
     }
 
     /// An idempotency record; the client's key is hashed, so it may hold any bytes.
     pub fn idempotency(&self, session: &SessionId, key_digest: &str) -> String {
         format!("{}idem:{}:{}", self.prefix, session, key_digest)
+    }
+}
+
+/// The Redis keys of one protected document: its commit slot, its turn mark (serialize mode)
+/// and its version snapshots. All share the session's hash tag.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Scope {
+    base: String,
+}
+
+impl Scope {
+    /// The document's commit slot: held from the read to the store's answer, so commits of
+    /// one document are ordered across turns and proxies (see `slot_take.lua`).
+    pub fn slot(&self) -> String {
+        format!("{}:slot", self.base)
+    }
+
+    /// The highest turn the store accepted in serialize mode (no document to read it from).
+    pub fn turn_mark(&self) -> String {
+        format!("{}:turn", self.base)
+    }
+
+    /// A snapshot of one version of the document, for three-way merges.
+    pub fn history(&self, version: u64) -> String {
+        format!("{}:history:{}", self.base, version)
     }
 }
 
@@ -250,6 +272,14 @@ mod tests {
                 prop_assert_eq!(ka == kb, ia == ib && ta == tb);
                 prop_assert!(!ka.contains(['*', '?', '[']));
             }
+        }
+
+        #[test]
+        fn distinct_documents_never_share_a_scope(a in "/[a-z/]{1,12}", b in "/[a-z/]{1,12}") {
+            let keys = Keys::new("tl:");
+            let id = SessionId::parse("s1").unwrap();
+            prop_assert_eq!(keys.scope(&id, &a) == keys.scope(&id, &b), a == b);
+            prop_assert!(keys.scope(&id, &a).slot().starts_with("tl:session:{s1}:d"), "slot key shape");
         }
 
         #[test]

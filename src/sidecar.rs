@@ -49,7 +49,11 @@ pub async fn start(args: ProxyArgs) -> Result<Running, ConfigError> {
     args.validate()?;
     let metrics = Metrics::new();
     let keys = Keys::new(args.key_prefix.clone());
-    let settings = LockSettings { lease: args.lease() };
+    let settings = LockSettings::new(
+        args.lease(),
+        Duration::from_millis(args.upstream_timeout_ms),
+        Duration::from_secs(args.session_ttl_secs),
+    );
     let (locks, records) = match &args.redis {
         Some(url) => {
             let conn = RedisConn::open(url, Duration::from_millis(args.redis_timeout_ms))

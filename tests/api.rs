@@ -470,7 +470,7 @@ async fn lock_not_obtained_within_the_budget_is_session_busy_with_retry_after() 
     let store = store().await;
     let proxy = proxy(proxy_args(store.addr, Some(&redis))).await;
     // Another owner holds the lock of turn 1 of this session.
-    redis.cmd(&["SET", "turnlock:session:busy:1", "someone-else", "PX", "5000"]);
+    redis.cmd(&["SET", "turnlock:session:{busy}:1", "someone-else", "PX", "5000"]);
     let started = std::time::Instant::now();
     let r = append(&client(proxy.addr), "busy", 1, &["x"]).await;
     assert_eq!(
@@ -494,7 +494,7 @@ async fn an_expired_lease_of_a_dead_holder_is_taken_over() {
     let mut args = proxy_args(store.addr, Some(&redis));
     args.lock_budget_ms = 3000;
     let proxy = proxy(args).await;
-    redis.cmd(&["SET", "turnlock:session:dead:1", "crashed-owner", "PX", "400"]);
+    redis.cmd(&["SET", "turnlock:session:{dead}:1", "crashed-owner", "PX", "400"]);
     let started = std::time::Instant::now();
     let r = append(&client(proxy.addr), "dead", 1, &["x"]).await;
     assert_eq!(r.status, StatusCode::CREATED, "{}", r.json);
@@ -502,7 +502,7 @@ async fn an_expired_lease_of_a_dead_holder_is_taken_over() {
         started.elapsed() >= Duration::from_millis(300),
         "the lock was taken while still leased"
     );
-    assert!(redis.keys("turnlock:session:*").is_empty(), "lock left behind");
+    assert!(redis.keys("turnlock:session:{*}:[0-9]*").is_empty(), "lock left behind");
 }
 
 /// A store that answers writes slowly: requests are forwarded to the real store, PUTs after
@@ -621,7 +621,7 @@ async fn upstream_down_or_silent_gives_502_or_504_and_releases_the_lock() {
         (StatusCode::GATEWAY_TIMEOUT, Some("upstream_timeout"))
     );
     assert!(
-        redis.keys("turnlock:session:*").is_empty(),
+        redis.keys("turnlock:session:{*}:[0-9]*").is_empty(),
         "lock left behind after upstream failure"
     );
 }
@@ -811,7 +811,7 @@ async fn readiness_follows_the_upstream_and_redis() {
 }
 
 #[tokio::test]
-async fn a_store_without_etags_is_ordered_by_the_version_fence() {
+async fn a_store_without_etags_is_ordered_by_the_commit_slot() {
     let redis = RedisServer::start();
     let store = store_without_etags().await;
     let proxy = proxy(proxy_args(store.addr, Some(&redis))).await;
@@ -851,8 +851,8 @@ async fn a_store_without_etags_is_ordered_by_the_version_fence() {
         );
     }
     assert!(
-        redis.keys("turnlock:version:nf").len() == 1,
-        "the version fence was not used"
+        redis.keys("turnlock:session:{nf}:*:slot").is_empty(),
+        "a commit slot outlived its writes"
     );
 }
 
@@ -896,7 +896,7 @@ async fn sigterm_finishes_in_flight_writes_releases_locks_and_exits_zero() {
     let exit = exit.expect("proxy still running 5 s after SIGTERM");
     assert!(exit.success(), "exit status {exit:?}");
     assert!(
-        redis.keys("turnlock:session:*").is_empty(),
+        redis.keys("turnlock:session:{*}:[0-9]*").is_empty(),
         "lock left behind at shutdown"
     );
     assert_eq!(
@@ -940,7 +940,7 @@ async fn coalesced_writes_report_the_version_the_store_holds() {
 }
 
 /// The lost-grant case a store without conditional writes cannot otherwise survive: writer A's
-/// write-back is delayed in the network while its lock and version reservation vanish (as in a
+/// write-back is delayed in the network while its lock and commit slot vanish (as in a
 /// failover that lost them) and writer B commits. A store that enforces fencing tokens refuses
 /// A's late write; without that check, A's write overwrites B's acknowledged one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -958,8 +958,10 @@ async fn a_store_enforcing_fencing_tokens_refuses_the_late_write_of_a_lost_grant
         assert_eq!(append(&b, "fx", 1, &["b0"]).await.status, StatusCode::CREATED);
         let late = tokio::spawn(async move { append(&a, "fx", 1, &["a1"]).await });
         tokio::time::sleep(Duration::from_millis(250)).await;
-        // A's grant and reservation are lost while its write-back is on its way.
-        redis.cmd(&["DEL", "turnlock:session:fx:1", "turnlock:version:fx:pending"]);
+        // A's grant and commit slot are lost while its write-back is on its way.
+        let slots = redis.keys("turnlock:session:{fx}:*:slot");
+        assert_eq!(slots.len(), 1, "A holds the document's commit slot while it writes");
+        redis.cmd(&["DEL", "turnlock:session:{fx}:1", &slots[0]]);
         let r = append(&b, "fx", 1, &["b1"]).await;
         assert_eq!(r.status, StatusCode::OK, "{}", r.json);
         let late = late.await.expect("late writer");

@@ -19,7 +19,7 @@ const QUEUED: usize = 12;
 const HELD_MS: u64 = 300;
 
 fn hold_lock(redis: &RedisServer, session: &str, turn: u64) {
-    let key = format!("turnlock:session:{session}:{turn}");
+    let key = format!("turnlock:session:{{{session}}}:{turn}");
     let reply = redis.cmd(&["SET", &key, "held-by-the-test", "NX", "PX", &HELD_MS.to_string()]);
     assert_eq!(reply, redis::Value::Okay, "the test could not take the lock first");
 }

@@ -210,7 +210,7 @@ async fn sentinel_failover_with_unreplicated_grant_loses_no_update() {
         store_relay.wait_held(1, Duration::from_secs(10)).await,
         "A never wrote back"
     );
-    let lock_key = format!("turnlock:session:{target}:1");
+    let lock_key = format!("turnlock:session:{{{target}}}:1");
     assert_eq!(primary.keys(&lock_key).len(), 1, "A's grant is not on the primary");
 
     // The primary dies before replicating the grant; Sentinel promotes the replica.

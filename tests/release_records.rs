@@ -21,9 +21,12 @@ async fn records_stored_with_the_release_answer_retries_and_merges() {
         .await
         .expect("first");
     assert_eq!(first.status.as_u16(), 201, "{:?}", first.json);
-    assert!(redis.keys("turnlock:session:*").is_empty(), "the lock was released");
+    assert!(
+        redis.keys("turnlock:session:{*}:[0-9]*").is_empty(),
+        "the lock was released"
+    );
     assert_eq!(
-        redis.keys("turnlock:history:*").len(),
+        redis.keys("turnlock:session:{r1}:*:history:*").len(),
         1,
         "the version snapshot was stored"
     );

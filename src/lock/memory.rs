@@ -7,8 +7,9 @@ use dashmap::DashMap;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use super::{Attempt, LockSettings, Reservation, Wake};
+use super::{Attempt, LockSettings, Settled, Slot, Wake};
 use crate::metrics::Metrics;
+use crate::session::Scope;
 
 pub struct MemoryLocks {
     pub(super) settings: LockSettings,
@@ -55,8 +56,14 @@ impl MemoryLocks {
             expires: now + lease,
         };
         drop(entry);
+        // Like Redis: the larger of the counter + 1 and the clock in microseconds, so tokens
+        // keep growing across a restart of the process.
+        let micros = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_micros() as u64)
+            .unwrap_or(0);
         let mut counter = self.counters.entry(fence_key.to_owned()).or_insert(0);
-        *counter += 1;
+        *counter = (*counter + 1).max(micros);
         Attempt::Granted { fence: *counter }
     }
 
@@ -89,55 +96,49 @@ impl MemoryLocks {
         removed
     }
 
-    pub(super) fn reserve_version(
-        &self,
-        lock_key: &str,
-        token: &str,
-        version_key: &str,
-        pending_key: &str,
-        read_version: u64,
-    ) -> Reservation {
+    pub(super) fn take_slot(&self, lock_key: &str, token: &str, scope: &Scope) -> Slot {
         let now = Instant::now();
         let holds = self
             .locks
             .get(lock_key)
             .is_some_and(|h| h.token == token && h.expires > now);
         if !holds {
-            return Reservation::LeaseLost;
+            return Slot::LeaseLost;
         }
-        let committed = self.counters.get(version_key).map(|v| *v).unwrap_or(0);
-        if committed > read_version {
-            return Reservation::NewerCommitted;
-        }
-        let mut pending = self.pending.entry(pending_key.to_owned()).or_insert_with(|| Holder {
+        let mut slot = self.pending.entry(scope.slot()).or_insert_with(|| Holder {
             token: String::new(),
             expires: now,
         });
-        if !pending.token.is_empty() && pending.token != token && pending.expires > now {
-            return Reservation::InFlight;
+        if !slot.token.is_empty() && slot.token != token && slot.expires > now {
+            return Slot::InFlight {
+                remaining: slot.expires - now,
+            };
         }
-        *pending = Holder {
+        *slot = Holder {
             token: token.to_owned(),
-            expires: now + self.settings.lease,
+            expires: now + self.settings.slot_ttl,
         };
-        Reservation::Reserved
-    }
-
-    pub(super) fn settle_version(&self, token: &str, version_key: &str, pending_key: &str, stored: Option<u64>) {
-        if let Some(v) = stored {
-            let mut committed = self.counters.entry(version_key.to_owned()).or_insert(0);
-            *committed = (*committed).max(v);
+        drop(slot);
+        Slot::Taken {
+            turn_mark: self.counters.get(&scope.turn_mark()).map(|v| *v).unwrap_or(0),
         }
-        self.pending.remove_if(pending_key, |_, h| h.token == token);
     }
 
-    pub(super) fn turn_mark(&self, key: &str) -> u64 {
-        self.counters.get(key).map(|v| *v).unwrap_or(0)
-    }
-
-    pub(super) fn raise_turn_mark(&self, key: &str, turn: u64) {
-        let mut mark = self.counters.entry(key.to_owned()).or_insert(0);
-        *mark = (*mark).max(turn);
+    pub(super) fn release_slot(&self, token: &str, scope: &Scope, settled: Settled) -> bool {
+        match settled {
+            Settled::Unchanged => {}
+            Settled::Accepted(turn) => {
+                let mut mark = self.counters.entry(scope.turn_mark()).or_insert(0);
+                *mark = (*mark).max(turn);
+            }
+            Settled::Deleted => {
+                self.counters.remove(&scope.turn_mark());
+            }
+        }
+        let now = Instant::now();
+        self.pending
+            .remove_if(&scope.slot(), |_, h| h.token == token && h.expires > now)
+            .is_some()
     }
 
     /// Drops expired locks (called periodically so abandoned keys do not accumulate).

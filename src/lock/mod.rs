@@ -1,5 +1,5 @@
-//! The session lock: grant with a fencing token, lease renewal, release, and the version
-//! fence for stores without ETags.
+//! The session lock: grant with a fencing token, lease renewal, release, and the commit slot
+//! that orders the commits of one document across turns and proxies.
 //!
 //! Two backends with the same semantics: Redis (shared by every proxy replica) and in-memory
 //! (serializes only the writers inside one process). The waiting loop is shared: a waiter is
@@ -21,6 +21,7 @@ use tokio::time::Instant;
 
 use crate::metrics::Metrics;
 use crate::records::Entry;
+use crate::session::Scope;
 
 /// Shortest and longest pause between two attempts when no release wakes the waiter.
 const BACKOFF_MIN: Duration = Duration::from_micros(500);
@@ -41,13 +42,36 @@ pub(crate) enum Attempt {
     Held { remaining: Duration },
 }
 
-/// The outcome of a version reservation (see `fence_reserve.lua`).
+/// What an attempt to take a document's commit slot found (see `slot_take.lua`).
 #[derive(Debug, PartialEq, Eq)]
-pub enum Reservation {
-    Reserved,
+pub enum Slot {
+    /// Taken (or extended) by this writer; carries the document's turn mark (0 when none).
+    Taken { turn_mark: u64 },
+    /// The writer's own lock is no longer held: it must not write.
     LeaseLost,
-    NewerCommitted,
-    InFlight,
+    /// Another writer's commit is in flight; it ends within `remaining` at the latest.
+    InFlight { remaining: Duration },
+}
+
+/// What the store did with the write a slot protected (see `slot_release.lua`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Settled {
+    /// Nothing that changes the turn mark (a refused write, or a merge write).
+    Unchanged,
+    /// The store accepted a serialized write of this turn.
+    Accepted(u64),
+    /// The store deleted the document: its turn mark goes with it.
+    Deleted,
+}
+
+impl Settled {
+    fn as_arg(self) -> i64 {
+        match self {
+            Settled::Unchanged => -1,
+            Settled::Accepted(turn) => turn.min(crate::session::MAX_TURN) as i64,
+            Settled::Deleted => -2,
+        }
+    }
 }
 
 #[derive(Clone)]
@@ -60,6 +84,22 @@ pub enum Locks {
 #[derive(Clone, Debug)]
 pub struct LockSettings {
     pub lease: Duration,
+    /// How long a commit slot lives: at least as long as a write-back can take (the store
+    /// timeout) plus a lease.
+    pub slot_ttl: Duration,
+    /// How long a session's keys (fencing counter, turn marks) outlive its last write.
+    pub key_ttl: Duration,
+}
+
+impl LockSettings {
+    /// Settings for a store that answers within `store_timeout`.
+    pub fn new(lease: Duration, store_timeout: Duration, key_ttl: Duration) -> Self {
+        Self {
+            lease,
+            slot_ttl: store_timeout + lease,
+            key_ttl,
+        }
+    }
 }
 
 /// A granted lock. Renewed in the background while held; [`Lease::check`] says whether it can
@@ -181,56 +221,22 @@ impl Locks {
         matches!(self, Locks::Redis(_))
     }
 
-    /// Reserves the next version for a store without ETags (see `fence_reserve.lua`).
-    pub async fn reserve_version(
-        &self,
-        lease: &Lease,
-        version_key: &str,
-        pending_key: &str,
-        read_version: u64,
-    ) -> Result<Reservation, LockError> {
+    /// Takes the commit slot of a document (`scope`) for the holder of `lease`, or extends
+    /// it when this holder has it already. Taken before the document is read; given back with
+    /// [`Locks::release_slot`] once the store answered the write.
+    pub async fn take_slot(&self, lease: &Lease, scope: &Scope) -> Result<Slot, LockError> {
         match self {
-            Locks::Memory(m) => Ok(m.reserve_version(&lease.key, &lease.token, version_key, pending_key, read_version)),
-            Locks::Redis(r) => {
-                r.reserve_version(&lease.key, &lease.token, version_key, pending_key, read_version)
-                    .await
-            }
+            Locks::Memory(m) => Ok(m.take_slot(&lease.key, &lease.token, scope)),
+            Locks::Redis(r) => r.take_slot(&lease.key, &lease.token, scope).await,
         }
     }
 
-    /// Records the outcome of a reserved write: `stored` is the version now in the store, or
-    /// `None` when the write did not land.
-    pub async fn settle_version(
-        &self,
-        lease: &Lease,
-        version_key: &str,
-        pending_key: &str,
-        stored: Option<u64>,
-    ) -> Result<(), LockError> {
+    /// Gives a commit slot back, recording what the store did. Returns whether the slot was
+    /// still this writer's: `false` means the write outlived the slot.
+    pub async fn release_slot(&self, lease: &Lease, scope: &Scope, settled: Settled) -> Result<bool, LockError> {
         match self {
-            Locks::Memory(m) => {
-                m.settle_version(&lease.token, version_key, pending_key, stored);
-                Ok(())
-            }
-            Locks::Redis(r) => r.settle_version(&lease.token, version_key, pending_key, stored).await,
-        }
-    }
-
-    /// The highest turn accepted for a session served in serialize mode.
-    pub async fn turn_mark(&self, mark_key: &str) -> Result<u64, LockError> {
-        match self {
-            Locks::Memory(m) => Ok(m.turn_mark(mark_key)),
-            Locks::Redis(r) => r.turn_mark(mark_key).await,
-        }
-    }
-
-    pub async fn raise_turn_mark(&self, mark_key: &str, turn: u64) -> Result<(), LockError> {
-        match self {
-            Locks::Memory(m) => {
-                m.raise_turn_mark(mark_key, turn);
-                Ok(())
-            }
-            Locks::Redis(r) => r.raise_turn_mark(mark_key, turn).await,
+            Locks::Memory(m) => Ok(m.release_slot(&lease.token, scope, settled)),
+            Locks::Redis(r) => r.release_slot(&lease.token, scope, settled).await,
         }
     }
 

@@ -12,22 +12,18 @@ use redis::aio::PubSubSink;
 use redis::Script;
 use tokio::sync::{mpsc, Notify};
 
-use super::{Attempt, LockError, LockSettings, Reservation, Wake};
+use super::{Attempt, LockError, LockSettings, Settled, Slot, Wake};
 use crate::metrics::Metrics;
 use crate::records::Entry;
 use crate::redis_conn::RedisConn;
-use crate::session::Keys;
-
-/// How long a fencing counter outlives the last grant of its session.
-const FENCE_COUNTER_TTL: Duration = Duration::from_secs(7 * 24 * 3600);
+use crate::session::{Keys, Scope};
 
 struct Scripts {
     acquire: Script,
     release: Script,
     renew: Script,
-    reserve: Script,
-    settle: Script,
-    turn_mark: Script,
+    slot_take: Script,
+    slot_release: Script,
 }
 
 pub struct RedisLocks {
@@ -76,9 +72,8 @@ impl RedisLocks {
                 acquire: Script::new(include_str!("scripts/acquire.lua")),
                 release: Script::new(include_str!("scripts/release.lua")),
                 renew: Script::new(include_str!("scripts/renew.lua")),
-                reserve: Script::new(include_str!("scripts/fence_reserve.lua")),
-                settle: Script::new(include_str!("scripts/fence_settle.lua")),
-                turn_mark: Script::new(include_str!("scripts/turn_mark.lua")),
+                slot_take: Script::new(include_str!("scripts/slot_take.lua")),
+                slot_release: Script::new(include_str!("scripts/slot_release.lua")),
             },
             watchers,
             subscriptions: tx,
@@ -102,6 +97,7 @@ impl RedisLocks {
 
     pub(super) async fn try_acquire(&self, key: &str, fence_key: &str, token: &str) -> Result<Attempt, LockError> {
         let lease_ms = self.settings.lease.as_millis() as u64;
+        let counter_ttl_ms = self.settings.key_ttl.as_millis() as u64;
         let script = &self.scripts.acquire;
         let conn = match &self.replica_wait {
             Some(w) => &w.conn,
@@ -114,7 +110,7 @@ impl RedisLocks {
                     .key(fence_key)
                     .arg(token)
                     .arg(lease_ms)
-                    .arg(FENCE_COUNTER_TTL.as_millis() as u64)
+                    .arg(counter_ttl_ms)
                     .invoke_async(&mut c)
                     .await
             })
@@ -216,80 +212,62 @@ impl RedisLocks {
         Ok(released == 1)
     }
 
-    pub(super) async fn reserve_version(
-        &self,
-        lock_key: &str,
-        token: &str,
-        version_key: &str,
-        pending_key: &str,
-        read_version: u64,
-    ) -> Result<Reservation, LockError> {
-        let lease_ms = self.settings.lease.as_millis() as u64;
-        let script = &self.scripts.reserve;
-        let reply: i64 = self
+    pub(super) async fn take_slot(&self, lock_key: &str, token: &str, scope: &Scope) -> Result<Slot, LockError> {
+        let slot_ms = self.settings.slot_ttl.as_millis() as u64;
+        let key_ms = self.settings.key_ttl.as_millis() as u64;
+        let (slot, mark) = (scope.slot(), scope.turn_mark());
+        let script = &self.scripts.slot_take;
+        let reply: (i64, i64) = self
             .conn
-            .run(|mut c| async move {
-                script
-                    .key(lock_key)
-                    .key(version_key)
-                    .key(pending_key)
-                    .arg(token)
-                    .arg(read_version)
-                    .arg(lease_ms)
-                    .invoke_async(&mut c)
-                    .await
+            .run(|mut c| {
+                let (slot, mark) = (&slot, &mark);
+                async move {
+                    script
+                        .key(lock_key)
+                        .key(slot)
+                        .key(mark)
+                        .arg(token)
+                        .arg(slot_ms)
+                        .arg(key_ms)
+                        .invoke_async(&mut c)
+                        .await
+                }
             })
             .await
             .map_err(backend)?;
         Ok(match reply {
-            1 => Reservation::Reserved,
-            0 => Reservation::LeaseLost,
-            -1 => Reservation::NewerCommitted,
-            _ => Reservation::InFlight,
+            (1, mark) => Slot::Taken {
+                turn_mark: mark.max(0) as u64,
+            },
+            (0, _) => Slot::LeaseLost,
+            (_, pttl) => Slot::InFlight {
+                remaining: Duration::from_millis(pttl.max(1) as u64),
+            },
         })
     }
 
-    pub(super) async fn settle_version(
-        &self,
-        token: &str,
-        version_key: &str,
-        pending_key: &str,
-        stored: Option<u64>,
-    ) -> Result<(), LockError> {
-        let script = &self.scripts.settle;
-        let _: i64 = self
+    pub(super) async fn release_slot(&self, token: &str, scope: &Scope, settled: Settled) -> Result<bool, LockError> {
+        let key_ms = self.settings.key_ttl.as_millis() as u64;
+        let (slot, mark) = (scope.slot(), scope.turn_mark());
+        let script = &self.scripts.slot_release;
+        let released: i64 = self
             .conn
-            .run(|mut c| async move {
-                script
-                    .key(version_key)
-                    .key(pending_key)
-                    .arg(token)
-                    .arg(stored.unwrap_or(0))
-                    .invoke_async(&mut c)
-                    .await
+            .run(|mut c| {
+                let (slot, mark) = (&slot, &mark);
+                async move {
+                    script
+                        .key(slot)
+                        .key(mark)
+                        .arg(token)
+                        .arg(settled.as_arg())
+                        .arg(key_ms)
+                        .invoke_async(&mut c)
+                        .await
+                }
             })
             .await
             .map_err(backend)?;
-        Ok(())
-    }
-
-    pub(super) async fn turn_mark(&self, key: &str) -> Result<u64, LockError> {
-        let mark: Option<u64> = self
-            .conn
-            .run(|mut c| async move { redis::cmd("GET").arg(key).query_async(&mut c).await })
-            .await
-            .map_err(backend)?;
-        Ok(mark.unwrap_or(0))
-    }
-
-    pub(super) async fn raise_turn_mark(&self, key: &str, turn: u64) -> Result<(), LockError> {
-        let script = &self.scripts.turn_mark;
-        let _: i64 = self
-            .conn
-            .run(|mut c| async move { script.key(key).arg(turn).invoke_async(&mut c).await })
-            .await
-            .map_err(backend)?;
-        Ok(())
+        Ok(released == 1)
     }
 
     pub(super) async fn ping(&self) -> Result<(), LockError> {

@@ -70,8 +70,8 @@ impl Proxy {
         res
     }
 
-    /// Forwards a request as is (streaming both ways), minus hop-by-hop headers, plus
-    /// `X-Forwarded-For`.
+    /// Forwards a request as is (streaming both ways), minus hop-by-hop headers and
+    /// `X-Fencing-Token`, plus `X-Forwarded-For`.
     async fn forward(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
         let upstream = &self.inner.upstream;
         let (mut parts, body) = req.into_parts();
@@ -82,6 +82,8 @@ impl Proxy {
         };
         crate::http::strip_hop_by_hop(&mut parts.headers);
         parts.headers.remove(header::HOST);
+        // turnlock's own header to the store: never the client's to set.
+        parts.headers.remove(crate::upstream::FENCING_TOKEN);
         append_forwarded_for(&mut parts.headers, peer);
         parts.version = http::Version::HTTP_11;
         let req = Request::from_parts(parts, body.map_err(Into::into).boxed());

@@ -4,11 +4,17 @@
 //! Writes to one lock key (`session:<id>:<turn>`) that wait in this process form a queue; only
 //! its leader competes for the lock. Once granted, the leader takes every queued write, reads
 //! the document once, merges the writes one after another, writes the result back once under
-//! the store's `If-Match` (or turnlock's version fence), and answers each write on its own
-//! (group commit). A write waits at most its budget for the lock, then gets `session_busy`.
+//! the store's `If-Match`, and answers each write on its own (group commit). A write waits at
+//! most its budget for the lock, then gets `session_busy`.
+//!
+//! Writers of different turns hold different locks. Their commits of one document are
+//! ordered by the document's commit slot in Redis (see `slot_take.lua`): taken before the
+//! read, given back once the store answered. Every serialized write and every merge write to
+//! a store without ETags goes through it; with a store that answers ETags, `If-Match` orders
+//! merge writes and the slot is skipped.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -25,11 +31,11 @@ use tracing::Instrument;
 use super::answer::{Answer, Record};
 use super::request::{Action, WriteRequest};
 use crate::http::{etag_for, full, strip_hop_by_hop};
-use crate::lock::{Lease, LockError, Locks, Reservation};
+use crate::lock::{Lease, LockError, Locks, Settled, Slot};
 use crate::merge::{self, Document, MergeError, Op, RandomIds, Snapshot};
 use crate::metrics::Metrics;
 use crate::records::{Entry, Records};
-use crate::session::{is_stale, Keys, SessionId};
+use crate::session::{is_stale, Keys, Scope, SessionId};
 use crate::upstream::{Precondition, Upstream, UpstreamError, FENCING_TOKEN};
 
 /// How many times a write re-reads the document under one grant after a concurrent writer
@@ -63,12 +69,17 @@ struct Shared {
     gates: DashMap<SessionId, Arc<tokio::sync::Mutex<()>>>,
     tracker: TaskTracker,
     next_id: AtomicU64,
+    /// Set once the store answered a read with an ETag: its `If-Match` then orders merge
+    /// writes, and they skip the commit slot.
+    etags_seen: AtomicBool,
 }
 
 struct Queue {
     session: SessionId,
     turn: u64,
     lock_key: String,
+    /// The keys of what the queue's writes protect: the document, or the serialize route.
+    scope: Scope,
     state: Mutex<QueueState>,
 }
 
@@ -108,6 +119,7 @@ impl Pipeline {
                 gates: DashMap::new(),
                 tracker: TaskTracker::new(),
                 next_id: AtomicU64::new(1),
+                etags_seen: AtomicBool::new(false),
             }),
         }
     }
@@ -193,9 +205,19 @@ impl Pipeline {
     async fn enqueue(&self, write: WriteRequest, deadline: Instant) -> Answer {
         let s = &self.shared;
         let lock_key = s.keys.lock(&write.session, write.turn);
-        let queue_key = match &write.action {
-            Action::Merge { document, .. } => format!("{lock_key} merge {document}"),
-            Action::Serialize { .. } => format!("{lock_key} serialize"),
+        let (queue_key, protected) = match &write.action {
+            Action::Merge { document, .. } => (
+                format!("{lock_key} merge {document}"),
+                format!("merge {}", self.store_uri(document)),
+            ),
+            Action::Serialize { path_and_query, .. } => {
+                // The resource is named by the request's path (its query does not change it).
+                let path = path_and_query.split('?').next().unwrap_or("/");
+                (
+                    format!("{lock_key} serialize {path}"),
+                    format!("serialize {}", self.store_uri(path)),
+                )
+            }
         };
         let id = s.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, mut rx) = oneshot::channel();
@@ -204,6 +226,7 @@ impl Pipeline {
             .entry(queue_key.clone())
             .or_insert_with(|| {
                 Arc::new(Queue {
+                    scope: s.keys.scope(&write.session, &protected),
                     session: write.session.clone(),
                     turn: write.turn,
                     lock_key,
@@ -252,6 +275,16 @@ impl Pipeline {
                     })
                 }
             }
+        }
+    }
+}
+
+impl Pipeline {
+    /// The store's full URI of `path`: names what a write protects, store included.
+    fn store_uri(&self, path: &str) -> String {
+        match self.shared.upstream.uri(path) {
+            Ok(uri) => uri.to_string(),
+            Err(_) => path.to_owned(),
         }
     }
 }
@@ -410,18 +443,55 @@ async fn merge_batch(
     path: &str,
     records: &mut Vec<Entry>,
 ) -> Vec<Answer> {
+    let mut slot = SlotHold::new(queue.scope.clone());
+    let (answers, outcome_unknown) = merge_attempts(s, queue, lease, batch, path, records, &mut slot).await;
+    // When the outcome is unknown the slot is left to expire: the write may still land, and
+    // no commit of this document is ordered after it until then.
+    if !outcome_unknown {
+        slot.release(s, lease, Settled::Unchanged).await;
+    }
+    answers
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn merge_attempts(
+    s: &Shared,
+    queue: &Queue,
+    lease: &Lease,
+    batch: &[Pending],
+    path: &str,
+    records: &mut Vec<Entry>,
+    slot: &mut SlotHold,
+) -> (Vec<Answer>, bool) {
     let started = Instant::now();
     let session = &queue.session;
     let mut attempt = 0;
+    let mut force_slot = false;
     loop {
         attempt += 1;
+        let retry_left = attempt < MAX_ATTEMPTS && started.elapsed() < s.locks.settings().lease / 2;
+        // Without ETags the document is read under its commit slot: what is read is then the
+        // latest commit (or what the store holds after a change made behind turnlock's back,
+        // such as a delete), and nothing is committed between this read and this write.
+        if force_slot || !s.etags_seen.load(Ordering::Relaxed) {
+            if let Err(answer) = slot.hold(s, lease).await {
+                return (vec![answer; batch.len()], false);
+            }
+        }
         let fetched = match s.upstream.get_document(path).await {
             Ok(f) => f,
-            Err(e) => return vec![upstream_answer(&e); batch.len()],
+            Err(e) => return (vec![upstream_answer(&e); batch.len()], false),
         };
+        if fetched.etag.is_some() {
+            s.etags_seen.store(true, Ordering::Relaxed);
+        } else if fetched.doc.is_some() && !slot.held() {
+            // A document without an ETag from a store that gave them: read again under the slot.
+            force_slot = true;
+            continue;
+        }
         let current = fetched.doc;
         let current_version = current.as_ref().map(merge::version_of).unwrap_or(0);
-        let bases = load_bases(s, session, batch, current.as_ref()).await;
+        let bases = load_bases(s, &queue.scope, batch, current.as_ref()).await;
         let (doc, results) = apply_batch(session, current.as_ref(), batch, &bases);
         let refusals = |results: Vec<Result<merge::Applied, MergeError>>, on_ok: &Answer| -> Vec<Answer> {
             results
@@ -433,70 +503,31 @@ async fn merge_batch(
                 .collect()
         };
         let Some(mut next) = doc.filter(|_| results.iter().any(Result::is_ok)) else {
-            return refusals(
-                results,
-                &Answer::error(StatusCode::INTERNAL_SERVER_ERROR, "internal", "nothing to write", None),
-            );
+            let on_ok = Answer::error(StatusCode::INTERNAL_SERVER_ERROR, "internal", "nothing to write", None);
+            return (refusals(results, &on_ok), false);
         };
+        // The slot must outlive the write-back: extended when the read took long.
+        if slot.held() {
+            if let Err(answer) = slot.hold(s, lease).await {
+                return (refusals(results, &answer), false);
+            }
+        }
         if !lease.check() {
-            return refusals(
-                results,
-                &Answer::retryable(
-                    "lease_lost",
-                    "the lock's lease was lost before the write; nothing was written",
-                ),
-            );
+            return (refusals(results, &lease_lost()), false);
         }
         // One write-back: the whole batch is one new version, whatever it merged.
         let new_version = current_version + 1;
         next.insert("version".into(), json!(new_version));
-        let fenced = fetched.etag.is_none();
         let precondition = match (&current, fetched.etag) {
             (None, _) => Precondition::Absent,
             (Some(_), Some(tag)) => Precondition::IfMatch(tag),
             (Some(_), None) => Precondition::None,
         };
-        let vkey = s.keys.version_fence(session);
-        let pkey = s.keys.version_pending(session);
-        let retry_left = attempt < MAX_ATTEMPTS && started.elapsed() < s.locks.settings().lease / 2;
-        if fenced {
-            match s.locks.reserve_version(lease, &vkey, &pkey, current_version).await {
-                Ok(Reservation::Reserved) => {}
-                Ok(Reservation::NewerCommitted | Reservation::InFlight) if retry_left => {
-                    tokio::time::sleep(Duration::from_millis(1)).await;
-                    continue;
-                }
-                Ok(Reservation::NewerCommitted | Reservation::InFlight) => {
-                    return refusals(
-                        results,
-                        &Answer::retryable(
-                            "write_conflict",
-                            "a concurrent write of another turn kept moving the session; retry",
-                        ),
-                    );
-                }
-                Ok(Reservation::LeaseLost) => {
-                    return refusals(
-                        results,
-                        &Answer::retryable(
-                            "lease_lost",
-                            "the lock's lease was lost before the write; nothing was written",
-                        ),
-                    );
-                }
-                Err(e) => return refusals(results, &Answer::retryable("lock_unavailable", e)),
-            }
-        }
         let body = Bytes::from(serde_json::to_vec(&next).unwrap_or_default());
         match s.upstream.put_document(path, body, &precondition, lease.fence()).await {
             Ok(etag) => {
-                if fenced {
-                    if let Err(e) = s.locks.settle_version(lease, &vkey, &pkey, Some(new_version)).await {
-                        tracing::warn!(error = %e, "version fence not settled; its reservation expires with the lease");
-                    }
-                }
                 records.push(Entry {
-                    key: s.keys.history(session, new_version),
+                    key: queue.scope.history(new_version),
                     value: Bytes::from(serde_json::to_vec(&Snapshot::of(&next)).unwrap_or_default()),
                     ttl: s.settings.history_ttl,
                 });
@@ -507,7 +538,7 @@ async fn merge_batch(
                 };
                 let etag = etag.unwrap_or_else(|| etag_for(new_version));
                 let turn = merge::turn_of(&next);
-                return results
+                let answers = results
                     .into_iter()
                     .map(|r| match r {
                         Ok(applied) => Answer::json(
@@ -518,31 +549,110 @@ async fn merge_batch(
                         Err(e) => merge_refusal(s, &e),
                     })
                     .collect();
+                return (answers, false);
             }
             Err(UpstreamError::PreconditionFailed) => {
-                if fenced {
-                    let _ = s.locks.settle_version(lease, &vkey, &pkey, None).await;
-                }
                 if retry_left {
                     continue;
                 }
-                return refusals(
-                    results,
-                    &Answer::retryable(
-                        "write_conflict",
-                        "a concurrent write of another turn kept moving the session; retry",
-                    ),
-                );
+                return (refusals(results, &write_conflict()), false);
             }
             Err(e) => {
-                // When the outcome is unknown the reservation is left to expire with the lease:
-                // the write may still land, and nothing may be ordered after it meanwhile.
-                if fenced && !e.outcome_unknown() {
-                    let _ = s.locks.settle_version(lease, &vkey, &pkey, None).await;
-                }
                 tracing::warn!(error = %e, "write-back to the context store failed");
-                return refusals(results, &upstream_answer(&e));
+                return (refusals(results, &upstream_answer(&e)), e.outcome_unknown());
             }
+        }
+    }
+}
+
+fn lease_lost() -> Answer {
+    Answer::retryable(
+        "lease_lost",
+        "the lock's lease was lost before the write; nothing was written",
+    )
+}
+
+fn write_conflict() -> Answer {
+    Answer::retryable(
+        "write_conflict",
+        "a concurrent write of another turn kept moving the session; retry",
+    )
+}
+
+/// A writer's hold on a document's commit slot.
+struct SlotHold {
+    scope: Scope,
+    /// When the slot was last taken or extended by this writer.
+    since: Option<Instant>,
+    /// The document's turn mark, as read when the slot was last taken.
+    turn_mark: u64,
+}
+
+impl SlotHold {
+    fn new(scope: Scope) -> Self {
+        Self {
+            scope,
+            since: None,
+            turn_mark: 0,
+        }
+    }
+
+    fn held(&self) -> bool {
+        self.since.is_some()
+    }
+
+    /// Takes the slot, or extends it when it was taken more than half a lease ago, so that
+    /// it outlives a write-back started now (the slot lives the store timeout plus a lease).
+    /// Waits for another writer's commit in flight for half a lease at the most.
+    async fn hold(&mut self, s: &Shared, lease: &Lease) -> Result<(), Answer> {
+        let half = s.locks.settings().lease / 2;
+        if self.since.is_some_and(|t| t.elapsed() < half) {
+            return Ok(());
+        }
+        let give_up = Instant::now() + half;
+        let mut pause = Duration::from_millis(1);
+        loop {
+            let sent = Instant::now();
+            match s.locks.take_slot(lease, &self.scope).await {
+                Ok(Slot::Taken { turn_mark }) => {
+                    self.since = Some(sent);
+                    self.turn_mark = turn_mark;
+                    return Ok(());
+                }
+                Ok(Slot::LeaseLost) => return Err(lease_lost()),
+                Ok(Slot::InFlight { remaining }) => {
+                    let now = Instant::now();
+                    if now >= give_up {
+                        return Err(Answer::retryable(
+                            "write_conflict",
+                            "a write of another turn to this document is in flight; retry",
+                        ));
+                    }
+                    tokio::time::sleep(pause.min(remaining).min(give_up - now)).await;
+                    pause = (pause * 2).min(Duration::from_millis(20));
+                }
+                Err(e) => return Err(Answer::retryable("lock_unavailable", e)),
+            }
+        }
+    }
+
+    /// Gives the slot back (when held), recording what the store did. A failure is logged:
+    /// the slot then expires by itself, and nothing is lost, but the document waits for it.
+    async fn release(&mut self, s: &Shared, lease: &Lease, settled: Settled) {
+        if self.since.take().is_none() {
+            return;
+        }
+        match s.locks.release_slot(lease, &self.scope, settled).await {
+            Ok(true) => {}
+            Ok(false) => tracing::error!(
+                slot = %self.scope.slot(),
+                "the write-back outlived its commit slot: a write of another turn may have been ordered before it landed"
+            ),
+            Err(error) => tracing::warn!(
+                slot = %self.scope.slot(),
+                %error,
+                "commit slot not given back; the document's next write waits until it expires"
+            ),
         }
     }
 }
@@ -637,7 +747,7 @@ fn apply_batch(
 /// finds its base as the document it is applied to.
 async fn load_bases(
     s: &Shared,
-    session: &SessionId,
+    scope: &Scope,
     batch: &[Pending],
     current: Option<&Document>,
 ) -> HashMap<u64, Snapshot> {
@@ -659,7 +769,7 @@ async fn load_bases(
                 }
                 continue;
             }
-            if let Ok(Some(bytes)) = s.records.get(&s.keys.history(session, v)).await {
+            if let Ok(Some(bytes)) = s.records.get(&scope.history(v)).await {
                 if let Ok(snap) = serde_json::from_slice::<Snapshot>(&bytes) {
                     bases.insert(v, snap);
                 }
@@ -704,94 +814,97 @@ fn upstream_answer(e: &UpstreamError) -> Answer {
     answer
 }
 
-/// Serialize mode: each write is forwarded unchanged, one after another under the grant,
-/// after the stale check against turnlock's own turn mark.
+/// Serialize mode: each write is forwarded unchanged, one after another under the grant and
+/// under the resource's commit slot, after the stale check against turnlock's own turn mark.
+/// The mark is raised only by a write the store accepted; writes of other turns to the same
+/// resource, on any proxy, wait for the slot, so they reach the store one at a time.
 async fn serialize_batch(s: &Shared, queue: &Queue, lease: &Lease, batch: &[Pending]) -> Vec<Answer> {
-    let mark_key = s.keys.turn_mark(&queue.session);
+    let mut slot = SlotHold::new(queue.scope.clone());
     let mut answers = Vec::with_capacity(batch.len());
     for p in batch {
-        let Action::Serialize {
-            method,
-            path_and_query,
-            headers,
-            body,
-        } = &p.write.action
-        else {
-            answers.push(Answer::error(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "internal",
-                "mixed batch",
-                None,
-            ));
-            continue;
-        };
-        let mark = match s.locks.turn_mark(&mark_key).await {
-            Ok(m) => m,
-            Err(e) => {
-                answers.push(Answer::retryable("lock_unavailable", e));
-                continue;
-            }
-        };
-        if is_stale(p.write.turn, mark) {
-            answers.push(merge_refusal(
-                s,
-                &MergeError::StaleTurn {
-                    turn: p.write.turn,
-                    current: mark,
-                },
-            ));
-            continue;
+        // Taken anew for each write: the turn mark is read with it.
+        slot.since = None;
+        let (answer, settled) = serialize_one(s, lease, p, &mut slot).await;
+        match settled {
+            Some(settled) => slot.release(s, lease, settled).await,
+            // Unknown outcome: the slot expires by itself, after the write can have landed.
+            None => slot.since = None,
         }
-        if !lease.check() {
-            answers.push(Answer::retryable(
-                "lease_lost",
-                "the lock's lease was lost before the write; nothing was written",
-            ));
-            continue;
-        }
-        let mut headers = headers.clone();
-        strip_hop_by_hop(&mut headers);
-        headers.remove(header::HOST);
-        headers.remove(header::CONTENT_LENGTH);
-        headers.insert(FENCING_TOKEN, HeaderValue::from(lease.fence()));
-        let uri = match s.upstream.uri(path_and_query) {
-            Ok(u) => u,
-            Err(e) => {
-                answers.push(Answer::error(StatusCode::BAD_REQUEST, "invalid_path", e, None));
-                continue;
-            }
-        };
-        let mut req = Request::new(full(body.clone()));
-        *req.method_mut() = method.clone();
-        *req.uri_mut() = uri;
-        *req.headers_mut() = headers;
-        let started = Instant::now();
-        let result = match s.upstream.send(req).await {
-            Ok(res) => {
-                let status = res.status();
-                let mut res_headers = res.headers().clone();
-                strip_hop_by_hop(&mut res_headers);
-                res_headers.remove(header::CONTENT_LENGTH);
-                s.upstream.body(res).await.map(|b| (status, res_headers, b))
-            }
-            Err(e) => Err(e),
-        };
-        s.metrics.upstream("forward", started.elapsed());
-        match result {
-            Ok((status, res_headers, body)) => {
-                if status.is_success() {
-                    if let Err(e) = s.locks.raise_turn_mark(&mark_key, p.write.turn).await {
-                        tracing::warn!(error = %e, "turn mark not raised");
-                    }
-                }
-                answers.push(Answer {
-                    status,
-                    headers: res_headers.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
-                    body,
-                });
-            }
-            Err(e) => answers.push(upstream_answer(&e)),
-        }
+        answers.push(answer);
     }
     answers
+}
+
+/// One serialized write; with what the store did, or `None` when its outcome is unknown.
+async fn serialize_one(s: &Shared, lease: &Lease, p: &Pending, slot: &mut SlotHold) -> (Answer, Option<Settled>) {
+    let Action::Serialize {
+        method,
+        path_and_query,
+        headers,
+        body,
+    } = &p.write.action
+    else {
+        let answer = Answer::error(StatusCode::INTERNAL_SERVER_ERROR, "internal", "mixed batch", None);
+        return (answer, Some(Settled::Unchanged));
+    };
+    if let Err(answer) = slot.hold(s, lease).await {
+        return (answer, Some(Settled::Unchanged));
+    }
+    if is_stale(p.write.turn, slot.turn_mark) {
+        let stale = MergeError::StaleTurn {
+            turn: p.write.turn,
+            current: slot.turn_mark,
+        };
+        return (merge_refusal(s, &stale), Some(Settled::Unchanged));
+    }
+    if !lease.check() {
+        return (lease_lost(), Some(Settled::Unchanged));
+    }
+    let mut headers = headers.clone();
+    strip_hop_by_hop(&mut headers);
+    headers.remove(header::HOST);
+    headers.remove(header::CONTENT_LENGTH);
+    headers.insert(FENCING_TOKEN, HeaderValue::from(lease.fence()));
+    let uri = match s.upstream.uri(path_and_query) {
+        Ok(u) => u,
+        Err(e) => {
+            let answer = Answer::error(StatusCode::BAD_REQUEST, "invalid_path", e, None);
+            return (answer, Some(Settled::Unchanged));
+        }
+    };
+    let mut req = Request::new(full(body.clone()));
+    *req.method_mut() = method.clone();
+    *req.uri_mut() = uri;
+    *req.headers_mut() = headers;
+    let started = Instant::now();
+    let result = match s.upstream.send(req).await {
+        Ok(res) => {
+            let status = res.status();
+            let mut res_headers = res.headers().clone();
+            strip_hop_by_hop(&mut res_headers);
+            res_headers.remove(header::CONTENT_LENGTH);
+            s.upstream.body(res).await.map(|b| (status, res_headers, b))
+        }
+        Err(e) => Err(e),
+    };
+    s.metrics.upstream("forward", started.elapsed());
+    match result {
+        Ok((status, res_headers, body)) => {
+            let settled = if status.is_success() {
+                Settled::Accepted(p.write.turn)
+            } else {
+                Settled::Unchanged
+            };
+            let answer = Answer {
+                status,
+                headers: res_headers.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+                body,
+            };
+            (answer, Some(settled))
+        }
+        Err(e) => {
+            let settled = (!e.outcome_unknown()).then_some(Settled::Unchanged);
+            (upstream_answer(&e), settled)
+        }
+    }
 }

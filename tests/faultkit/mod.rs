@@ -365,7 +365,7 @@ pub fn sessions(tag: &str, n: usize) -> Vec<String> {
 
 /// Lock keys left in Redis.
 pub fn lock_keys(redis: &crate::common::RedisServer) -> Vec<String> {
-    redis.keys("turnlock:session:*")
+    redis.keys("turnlock:session:{*}:[0-9]*")
 }
 
 /// Polls `f` every `every` until it returns true or `timeout` passes.
