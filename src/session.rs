@@ -151,8 +151,8 @@ impl Keys {
     }
 
     /// The keys of one document (or serialized resource) of a session. `what` names what is
-    /// protected: the store and the document's path, or the store and the serialize route.
-    /// Two different documents with one session id never share these keys.
+    /// protected: its path on the store. Two documents with one session id never share these
+    /// keys.
     pub fn scope(&self, session: &SessionId, what: &str) -> Scope {
         use sha2::{Digest, Sha256};
         let digest = Sha256::digest(what.as_bytes());

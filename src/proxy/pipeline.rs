@@ -206,17 +206,14 @@ impl Pipeline {
         let s = &self.shared;
         let lock_key = s.keys.lock(&write.session, write.turn);
         let (queue_key, protected) = match &write.action {
-            Action::Merge { document, .. } => (
-                format!("{lock_key} merge {document}"),
-                format!("merge {}", self.store_uri(document)),
-            ),
+            // What a write protects is named by its path on the store, not by the store's
+            // address: proxies may reach one store under different names (a relay, a load
+            // balancer, an IP or a host name), and must still share its commit order.
+            Action::Merge { document, .. } => (format!("{lock_key} merge {document}"), document.clone()),
             Action::Serialize { path_and_query, .. } => {
                 // The resource is named by the request's path (its query does not change it).
                 let path = path_and_query.split('?').next().unwrap_or("/");
-                (
-                    format!("{lock_key} serialize {path}"),
-                    format!("serialize {}", self.store_uri(path)),
-                )
+                (format!("{lock_key} serialize {path}"), path.to_owned())
             }
         };
         let id = s.next_id.fetch_add(1, Ordering::Relaxed);
@@ -275,16 +272,6 @@ impl Pipeline {
                     })
                 }
             }
-        }
-    }
-}
-
-impl Pipeline {
-    /// The store's full URI of `path`: names what a write protects, store included.
-    fn store_uri(&self, path: &str) -> String {
-        match self.shared.upstream.uri(path) {
-            Ok(uri) => uri.to_string(),
-            Err(_) => path.to_owned(),
         }
     }
 }

@@ -1,0 +1,471 @@
+//! The per-document commit order in Redis, over real sockets: a slow write-back is never
+//! overtaken, serialized writes of different turns reach the store one at a time and in turn
+//! order, deleted documents are written again from scratch, every key of a session expires,
+//! turnlock's own header is never the client's, and fencing tokens keep growing when Redis
+//! loses its counter.
+
+mod common;
+mod faultkit;
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::*;
+use faultkit::relay::{OnPut, Relay};
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use serde_json::{json, Value};
+use tokio::net::TcpListener;
+use turnlock::client::{JsonClient, Reply};
+
+async fn append(c: &JsonClient, session: &str, turn: u64, id: &str) -> Reply {
+    let body = json!({"turn": turn, "messages": [{"id": id, "role": "user", "content": id}]});
+    c.send(
+        Method::POST,
+        &format!("/v1/sessions/{session}/messages"),
+        Some(&body),
+        &[],
+    )
+    .await
+    .expect("append")
+}
+
+/// Appends until acknowledged; retryable answers (503) are counted in `retried`. Any other
+/// refusal is returned as is.
+async fn append_until_answered(c: &JsonClient, session: &str, turn: u64, id: &str, retried: &AtomicUsize) -> Reply {
+    for _ in 0..200 {
+        let r = append(c, session, turn, id).await;
+        if r.status != StatusCode::SERVICE_UNAVAILABLE {
+            return r;
+        }
+        retried.fetch_add(1, Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("{session}/{id}: still refused after 200 attempts");
+}
+
+/// A store without ETags; the proxy `a` reaches it through a relay that holds PUTs, `b`
+/// directly. A's write-back of turn 5 is held for 3 s (the lease is 2 s) while B writes turn
+/// 6: B's write must be ordered after A's, so both are stored and the turn never goes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_slow_write_back_without_etags_is_never_overtaken_by_the_next_turn() {
+    const SESSIONS: usize = 6;
+    let redis = RedisServer::start();
+    let store = store_without_etags().await;
+    let relay = Relay::start(store.addr).await;
+    let proxy_a = proxy(proxy_args(relay.addr, Some(&redis))).await;
+    let proxy_b = proxy(proxy_args(store.addr, Some(&redis))).await;
+    let (a, b) = (client(proxy_a.addr), client(proxy_b.addr));
+    let sessions = faultkit::sessions("slow", SESSIONS);
+    for s in &sessions {
+        assert_eq!(append(&b, s, 5, &format!("{s}-seed")).await.status, StatusCode::CREATED);
+    }
+    relay.on_put(OnPut::Hold);
+    let mut slow = Vec::new();
+    for s in &sessions {
+        let (a, s) = (a.clone(), s.clone());
+        slow.push(tokio::spawn(
+            async move { append(&a, &s, 5, &format!("{}-a", s)).await },
+        ));
+    }
+    assert!(
+        relay.wait_held(SESSIONS, Duration::from_secs(10)).await,
+        "A's write-backs never reached the relay"
+    );
+    let retried = Arc::new(AtomicUsize::new(0));
+    let mut next = Vec::new();
+    for s in &sessions {
+        let (b, s, retried) = (b.clone(), s.clone(), retried.clone());
+        next.push(tokio::spawn(async move {
+            append_until_answered(&b, &s, 6, &format!("{}-b", s), &retried).await
+        }));
+    }
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    relay.release_held();
+    let mut acked: HashMap<String, Vec<String>> = HashMap::new();
+    for (s, t) in sessions.iter().zip(slow) {
+        let r = t.await.expect("A task");
+        if r.status.is_success() {
+            acked.entry(s.clone()).or_default().push(format!("{s}-a"));
+        }
+    }
+    for (s, t) in sessions.iter().zip(next) {
+        let r = t.await.expect("B task");
+        assert!(r.status.is_success(), "{s}: turn 6 refused: {}", r.json);
+        acked.entry(s.clone()).or_default().push(format!("{s}-b"));
+    }
+    let direct = client(store.addr);
+    let mut lost = 0;
+    let mut acked_total = 0;
+    for s in &sessions {
+        let doc = get_doc(&direct, s).await.json;
+        let stored = message_ids(&doc);
+        for id in acked.get(s).into_iter().flatten() {
+            acked_total += 1;
+            if !stored.contains(id) {
+                lost += 1;
+                eprintln!("{s}: acknowledged {id} lost; stored {stored:?}");
+            }
+        }
+        assert_eq!(doc["turn"], 6, "{s}: the turn went back: {doc}");
+    }
+    eprintln!(
+        "slow write-back: {acked_total} acknowledged, {lost} lost, {} retryable answers",
+        retried.load(Ordering::SeqCst)
+    );
+    assert_eq!(lost, 0);
+    assert_eq!(acked_total, 2 * SESSIONS);
+}
+
+/// A document deleted through the sidecar (forwarded) or straight at the store is written
+/// again: 201, holding only the new life's messages. With and without ETags.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_session_is_written_again_from_scratch() {
+    for etags in [false, true] {
+        let redis = RedisServer::start();
+        let store = if etags {
+            store().await
+        } else {
+            store_without_etags().await
+        };
+        let p = proxy(proxy_args(store.addr, Some(&redis))).await;
+        let (agent, direct) = (client(p.addr), client(store.addr));
+        for (round, via) in [(1, &agent), (2, &direct)] {
+            let s = format!("del-{round}");
+            assert_eq!(append(&agent, &s, 1, "old-1").await.status, StatusCode::CREATED);
+            assert_eq!(append(&agent, &s, 2, "old-2").await.status, StatusCode::OK);
+            let r = via
+                .send(Method::DELETE, &format!("/v1/sessions/{s}"), None, &[])
+                .await
+                .expect("delete");
+            assert!(r.status.is_success(), "delete: {} {}", r.status, r.json);
+            let r = append(&agent, &s, 1, "new-1").await;
+            assert_eq!(
+                r.status,
+                StatusCode::CREATED,
+                "etags {etags}, round {round}: {}",
+                r.json
+            );
+            assert_eq!(message_ids(&get_doc(&direct, &s).await.json), ["new-1"]);
+            assert_eq!(append(&agent, &s, 1, "new-2").await.status, StatusCode::OK);
+            assert_eq!(message_ids(&get_doc(&direct, &s).await.json), ["new-1", "new-2"]);
+        }
+    }
+}
+
+/// Every Redis key a write leaves for a session expires; with a short TTL, a session idle past
+/// it is written again correctly (a merge route on a store without ETags, a serialize route).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_key_of_a_session_expires_and_an_idle_session_is_written_again() {
+    let redis = RedisServer::start();
+    let store = store_without_etags().await;
+    let events = EventStore::start(Duration::ZERO).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let short = |upstream, routes: Option<String>| {
+        let mut args = proxy_args(upstream, Some(&redis));
+        args.routes = routes;
+        args.session_ttl_secs = 1;
+        args.history_ttl_secs = 1;
+        args
+    };
+    let serialize = proxy(short(events.addr, Some(events.routes_file(dir.path())))).await;
+    let merge = proxy(short(store.addr, None)).await;
+    let (events_agent, agent) = (client(serialize.addr), client(merge.addr));
+    let post_event = |turn: u64| {
+        let c = events_agent.clone();
+        async move {
+            c.send(
+                Method::POST,
+                "/api/threads/ttl/events",
+                Some(&json!({"turn": turn})),
+                &[("x-turn", turn.to_string())],
+            )
+            .await
+            .expect("event")
+        }
+    };
+    assert_eq!(post_event(3).await.status, StatusCode::CREATED);
+    assert_eq!(append(&agent, "ttl", 1, "m1").await.status, StatusCode::CREATED);
+    let keys = redis.keys("turnlock:session:{ttl}:*");
+    assert!(
+        keys.len() >= 3,
+        "expected a fence, a turn mark and a snapshot: {keys:?}"
+    );
+    for key in &keys {
+        let ttl: i64 = match redis.cmd(&["PTTL", key]) {
+            redis::Value::Int(n) => n,
+            other => panic!("PTTL {key}: {other:?}"),
+        };
+        assert!(ttl > 0, "{key} never expires (PTTL {ttl})");
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(
+        redis.keys("turnlock:session:{ttl}:*").is_empty(),
+        "keys left after the TTL: {:?}",
+        redis.keys("turnlock:session:{ttl}:*")
+    );
+    // Idle past the TTL: written again, from what the store holds.
+    assert_eq!(post_event(3).await.status, StatusCode::CREATED);
+    assert_eq!(append(&agent, "ttl", 1, "m2").await.status, StatusCode::OK);
+    let doc = get_doc(&client(store.addr), "ttl").await.json;
+    assert_eq!(message_ids(&doc), ["m1", "m2"]);
+    assert_eq!(events.turns("ttl"), [3, 3]);
+}
+
+/// Serialized writes of mixed turns to one thread, over three proxies: none below a turn the
+/// store already accepted is acknowledged, and the store never has two at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn serialized_writes_of_mixed_turns_over_three_proxies_reach_the_store_in_order() {
+    let redis = RedisServer::start();
+    let events = EventStore::start(Duration::from_millis(20)).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let routes = events.routes_file(dir.path());
+    let mut proxies = Vec::new();
+    for _ in 0..3 {
+        let mut args = proxy_args(events.addr, Some(&redis));
+        args.routes = Some(routes.clone());
+        proxies.push(proxy(args).await);
+    }
+    let retried = Arc::new(AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for w in 0..16u64 {
+        let c = client(proxies[w as usize % 3].addr);
+        let retried = retried.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut acked = Vec::new();
+            for i in 0..6u64 {
+                let turn = 1 + (w + i * 3) % 8 + i;
+                for _ in 0..100 {
+                    let r = c
+                        .send(
+                            Method::POST,
+                            "/api/threads/mix/events",
+                            Some(&json!({"turn": turn, "writer": w})),
+                            &[("x-turn", turn.to_string())],
+                        )
+                        .await
+                        .expect("event");
+                    if r.status == StatusCode::SERVICE_UNAVAILABLE {
+                        retried.fetch_add(1, Ordering::SeqCst);
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                        continue;
+                    }
+                    if r.status.is_success() {
+                        acked.push(turn);
+                    } else {
+                        assert_eq!(r.json["error"], "stale_turn", "{}", r.json);
+                    }
+                    break;
+                }
+            }
+            acked
+        }));
+    }
+    let mut acked = 0;
+    for t in tasks {
+        acked += t.await.expect("writer").len();
+    }
+    let turns = events.turns("mix");
+    let stale = turns.windows(2).filter(|w| w[1] < w[0]).count();
+    eprintln!(
+        "serialize over 3 proxies: {acked} acknowledged, {} stored, {stale} stale, at most {} at the store at once, {} retryable answers",
+        turns.len(),
+        events.max_in_flight(),
+        retried.load(Ordering::SeqCst)
+    );
+    assert!(acked > 0);
+    assert_eq!(turns.len(), acked, "acknowledged and stored differ");
+    assert_eq!(stale, 0, "a write below an accepted turn was stored: {turns:?}");
+    assert_eq!(events.max_in_flight(), 1, "two writes at the store at once");
+}
+
+/// A client's `X-Fencing-Token` never reaches the store: removed from forwarded requests, and
+/// replaced by turnlock's own on serialized ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forged_fencing_token_never_reaches_the_store() {
+    let redis = RedisServer::start();
+    let events = EventStore::start(Duration::ZERO).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let routes = events.routes_file(dir.path());
+    let mut args = proxy_args(events.addr, Some(&redis));
+    args.routes = Some(routes);
+    let p = proxy(args).await;
+    let agent = client(p.addr);
+    let forged = [("x-fencing-token", "999999999999999999".to_owned())];
+    for method in [Method::GET, Method::DELETE, Method::PUT] {
+        let r = agent
+            .send(method.clone(), "/api/threads/forged", None, &forged)
+            .await
+            .expect("forward");
+        assert_eq!(r.status, StatusCode::OK, "{method}");
+    }
+    let mut headers = forged.to_vec();
+    headers.push(("x-turn", "1".into()));
+    let r = agent
+        .send(
+            Method::POST,
+            "/api/threads/forged/events",
+            Some(&json!({"turn": 1})),
+            &headers,
+        )
+        .await
+        .expect("event");
+    assert_eq!(r.status, StatusCode::CREATED);
+    let seen = events.fencing_tokens();
+    assert_eq!(seen.len(), 4, "{seen:?}");
+    assert!(
+        !seen.iter().any(|t| t.as_deref() == Some("999999999999999999")),
+        "the client's token reached the store: {seen:?}"
+    );
+    assert!(seen[3].is_some(), "the serialized write carries turnlock's token");
+}
+
+/// The fencing counter lost with Redis (restarted empty): the next grant's token is still
+/// higher than any the store accepted, so a store enforcing fencing tokens takes the first
+/// write after the restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fencing_tokens_keep_growing_across_a_redis_restart() {
+    let mut redis = RedisServer::start();
+    let mut store_args = turnlock::config::StoreArgs::local();
+    store_args.enforce_fencing = true;
+    let store = turnlock::store::start(store_args).await.expect("store");
+    let p = proxy(proxy_args(store.addr, Some(&redis))).await;
+    let agent = client(p.addr);
+    assert_eq!(append(&agent, "fr", 1, "m0").await.status, StatusCode::CREATED);
+    for i in 1..6 {
+        assert!(append(&agent, "fr", 1, &format!("m{i}")).await.status.is_success());
+    }
+    redis.restart();
+    let mut first = None;
+    for _ in 0..100 {
+        let r = append(&agent, "fr", 2, "after").await;
+        // Redis unreachable while the proxy reconnects is `lock_unavailable`: not the store.
+        if r.json["error"] == "lock_unavailable" {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        }
+        first = Some(r);
+        break;
+    }
+    let first = first.expect("the proxy never reached the restarted Redis");
+    assert!(
+        first.status.is_success(),
+        "first write after the restart: {} {}",
+        first.status,
+        first.json
+    );
+}
+
+/// A store with an append API of its own (`POST /api/threads/{id}/events`, no ETags) that
+/// records the turn of every event it accepts, how many writes it had at once, and the
+/// `X-Fencing-Token` of every request. Any other request is answered 200.
+struct EventStore {
+    addr: SocketAddr,
+    state: Arc<EventState>,
+}
+
+#[derive(Default)]
+struct EventState {
+    turns: Mutex<HashMap<String, Vec<u64>>>,
+    tokens: Mutex<Vec<Option<String>>>,
+    in_flight: AtomicUsize,
+    max_in_flight: AtomicUsize,
+}
+
+impl EventStore {
+    async fn start(delay: Duration) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let state = Arc::new(EventState::default());
+        let st = state.clone();
+        tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    return;
+                };
+                let st = st.clone();
+                tokio::spawn(async move {
+                    let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
+                        let st = st.clone();
+                        async move { Ok::<_, Infallible>(st.serve(req, delay).await) }
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
+                        .await;
+                });
+            }
+        });
+        Self { addr, state }
+    }
+
+    /// A routes file: serialize `POST /api/threads/{session}/events` (turn in `X-Turn`).
+    fn routes_file(&self, dir: &std::path::Path) -> String {
+        let path = dir.join("routes.toml");
+        std::fs::write(
+            &path,
+            "[[route]]\nmethod = \"POST\"\npath = \"/api/threads/{session}/events\"\nturn = { header = \"X-Turn\" }\nmode = \"serialize\"\n",
+        )
+        .expect("write routes");
+        path.to_string_lossy().into_owned()
+    }
+
+    fn turns(&self, thread: &str) -> Vec<u64> {
+        self.state
+            .turns
+            .lock()
+            .expect("turns")
+            .get(thread)
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    fn max_in_flight(&self) -> usize {
+        self.state.max_in_flight.load(Ordering::SeqCst)
+    }
+
+    fn fencing_tokens(&self) -> Vec<Option<String>> {
+        self.state.tokens.lock().expect("tokens").clone()
+    }
+}
+
+impl EventState {
+    async fn serve(&self, req: Request<Incoming>, delay: Duration) -> Response<Full<Bytes>> {
+        let token = req
+            .headers()
+            .get("x-fencing-token")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        self.tokens.lock().expect("tokens").push(token);
+        let path = req.uri().path().to_owned();
+        let is_event = req.method() == Method::POST && path.ends_with("/events");
+        let body = req
+            .into_body()
+            .collect()
+            .await
+            .map(|c| c.to_bytes())
+            .unwrap_or_default();
+        if !is_event {
+            return Response::new(Full::new(Bytes::from_static(b"{}")));
+        }
+        let now = self.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+        self.max_in_flight.fetch_max(now, Ordering::SeqCst);
+        tokio::time::sleep(delay).await;
+        let turn = serde_json::from_slice::<Value>(&body)
+            .ok()
+            .and_then(|v| v["turn"].as_u64())
+            .unwrap_or(0);
+        let thread = path.split('/').nth(3).unwrap_or("").to_owned();
+        self.turns.lock().expect("turns").entry(thread).or_default().push(turn);
+        self.in_flight.fetch_sub(1, Ordering::SeqCst);
+        Response::builder()
+            .status(StatusCode::CREATED)
+            .body(Full::new(Bytes::from_static(b"{\"ok\":true}")))
+            .expect("response")
+    }
+}
