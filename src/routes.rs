@@ -32,6 +32,8 @@ pub enum Kind {
     Patch,
     Put,
     Compact,
+    /// Deletes the document, ordered with the writes (see the README's lifecycle).
+    Delete,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -203,6 +205,13 @@ impl Routes {
                     turn: body(),
                     mode: merge(Kind::Put),
                 },
+                Route {
+                    name: "delete",
+                    method: Method::DELETE,
+                    path: doc.clone(),
+                    turn: body(),
+                    mode: merge(Kind::Delete),
+                },
             ],
         })
     }
@@ -244,7 +253,7 @@ impl Routes {
                 "merge" => {
                     let kind = r
                         .kind
-                        .ok_or_else(|| at("mode \"merge\" needs kind = append|patch|put|compact".into()))?;
+                        .ok_or_else(|| at("mode \"merge\" needs kind = append|patch|put|compact|delete".into()))?;
                     let document = match r.document {
                         Some(d) => Template::parse(&d).map_err(at)?,
                         None => path.clone(),

@@ -159,6 +159,115 @@ async fn a_deleted_session_is_written_again_from_scratch() {
     }
 }
 
+/// Deletes racing appends through three proxies. A delete is ordered with the writes: an
+/// append sent after the last delete was answered is in the final document, one answered
+/// before the last delete was sent is not, nothing else is, and the session stays writable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn deletes_racing_appends_through_three_proxies_lose_nothing_ordered_after_them() {
+    for etags in [false, true] {
+        let redis = RedisServer::start();
+        let store = if etags {
+            store().await
+        } else {
+            store_without_etags().await
+        };
+        let mut proxies = Vec::new();
+        for _ in 0..3 {
+            proxies.push(proxy(proxy_args(store.addr, Some(&redis))).await);
+        }
+        let clients: Vec<JsonClient> = proxies.iter().map(|p| client(p.addr)).collect();
+        let origin = tokio::time::Instant::now();
+        let retried = Arc::new(AtomicUsize::new(0));
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let mut writers = Vec::new();
+        for w in 0..6usize {
+            let (c, retried, stop) = (clients[w % 3].clone(), retried.clone(), stop.clone());
+            writers.push(tokio::spawn(async move {
+                // (id, sent, answered), in ms since the origin, for each acknowledged append.
+                let mut acked = Vec::new();
+                for i in 0..400 {
+                    if stop.load(Ordering::SeqCst) {
+                        break;
+                    }
+                    let id = format!("w{w}-{i}");
+                    let sent = origin.elapsed();
+                    let r = append(&c, "race", 1, &id).await;
+                    if r.status.is_success() {
+                        acked.push((id, sent, origin.elapsed()));
+                    } else {
+                        assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{}", r.json);
+                        retried.fetch_add(1, Ordering::SeqCst);
+                    }
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                acked
+            }));
+        }
+        let mut last_delete = (Duration::ZERO, Duration::ZERO);
+        let mut deleted = 0;
+        for d in 0..8usize {
+            tokio::time::sleep(Duration::from_millis(150)).await;
+            for _ in 0..50 {
+                let sent = origin.elapsed();
+                let r = clients[d % 3]
+                    .send(Method::DELETE, "/v1/sessions/race", None, &[])
+                    .await
+                    .expect("delete");
+                if r.status == StatusCode::SERVICE_UNAVAILABLE {
+                    retried.fetch_add(1, Ordering::SeqCst);
+                    continue;
+                }
+                assert!(
+                    r.status.is_success() || r.status == StatusCode::NOT_FOUND,
+                    "delete: {} {}",
+                    r.status,
+                    r.json
+                );
+                deleted += 1;
+                last_delete = (sent, origin.elapsed());
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        stop.store(true, Ordering::SeqCst);
+        let mut acked = Vec::new();
+        for w in writers {
+            acked.extend(w.await.expect("writer"));
+        }
+        let stored = message_ids(&get_doc(&client(store.addr), "race").await.json);
+        let (mut after, mut lost, mut resurrected) = (0, 0, 0);
+        for (id, sent, answered) in &acked {
+            if *sent > last_delete.1 {
+                after += 1;
+                if !stored.contains(id) {
+                    lost += 1;
+                    eprintln!("acknowledged after the last delete, lost: {id}");
+                }
+            } else if *answered < last_delete.0 && stored.contains(id) {
+                resurrected += 1;
+                eprintln!("deleted before the last delete, stored again: {id}");
+            }
+        }
+        let known: Vec<&String> = acked.iter().map(|(id, _, _)| id).collect();
+        let unknown: Vec<&String> = stored.iter().filter(|id| !known.contains(id)).collect();
+        eprintln!(
+            "deletes racing appends (etags {etags}): {deleted} deletes, {} appends acknowledged ({after} after the last delete), {lost} lost, {resurrected} resurrected, {} retryable answers",
+            acked.len(),
+            retried.load(Ordering::SeqCst)
+        );
+        assert_eq!(deleted, 8);
+        assert!(after > 0, "no append was made after the last delete");
+        assert_eq!((lost, resurrected), (0, 0));
+        assert!(unknown.is_empty(), "stored but never acknowledged: {unknown:?}");
+        assert!(
+            retried.load(Ordering::SeqCst) * 10 <= acked.len(),
+            "too many retryable answers"
+        );
+        let r = append(&clients[0], "race", 1, "final").await;
+        assert!(r.status.is_success(), "the session was left unwritable: {}", r.json);
+    }
+}
+
 /// Every Redis key a write leaves for a session expires; with a short TTL, a session idle past
 /// it is written again correctly (a merge route on a store without ETags, a serialize route).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -286,7 +395,7 @@ async fn serialized_writes_of_mixed_turns_over_three_proxies_reach_the_store_in_
 }
 
 /// A client's `X-Fencing-Token` never reaches the store: removed from forwarded requests, and
-/// replaced by turnlock's own on serialized ones.
+/// replaced by turnlock's own on serialized writes and session deletes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_forged_fencing_token_never_reaches_the_store() {
     let redis = RedisServer::start();
@@ -317,13 +426,20 @@ async fn a_forged_fencing_token_never_reaches_the_store() {
         .await
         .expect("event");
     assert_eq!(r.status, StatusCode::CREATED);
+    // A session delete is a write: turnlock's token, not the client's.
+    let r = agent
+        .send(Method::DELETE, "/v1/sessions/forged", None, &forged)
+        .await
+        .expect("delete");
+    assert_eq!(r.status, StatusCode::OK);
     let seen = events.fencing_tokens();
-    assert_eq!(seen.len(), 4, "{seen:?}");
+    assert_eq!(seen.len(), 5, "{seen:?}");
     assert!(
         !seen.iter().any(|t| t.as_deref() == Some("999999999999999999")),
         "the client's token reached the store: {seen:?}"
     );
     assert!(seen[3].is_some(), "the serialized write carries turnlock's token");
+    assert!(seen[4].is_some(), "the delete carries turnlock's token");
 }
 
 /// The fencing counter lost with Redis (restarted empty): the next grant's token is still

@@ -210,6 +210,7 @@ impl Pipeline {
             // address: proxies may reach one store under different names (a relay, a load
             // balancer, an IP or a host name), and must still share its commit order.
             Action::Merge { document, .. } => (format!("{lock_key} merge {document}"), document.clone()),
+            Action::Delete { document, .. } => (format!("{lock_key} delete {document}"), document.clone()),
             Action::Serialize { path_and_query, .. } => {
                 // The resource is named by the request's path (its query does not change it).
                 let path = path_and_query.split('?').next().unwrap_or("/");
@@ -404,6 +405,7 @@ async fn commit(s: &Shared, queue: &Queue, lease: &Lease, batch: &[Pending]) -> 
     let answers = match &batch[0].write.action {
         Action::Merge { document, .. } => merge_batch(s, queue, lease, batch, document, &mut records).await,
         Action::Serialize { .. } => serialize_batch(s, queue, lease, batch).await,
+        Action::Delete { document, .. } => delete_batch(s, queue, lease, batch, document).await,
     };
     records.extend(
         batch
@@ -879,6 +881,91 @@ async fn serialize_one(s: &Shared, lease: &Lease, p: &Pending, slot: &mut SlotHo
         Ok((status, res_headers, body)) => {
             let settled = if status.is_success() {
                 Settled::Accepted(p.write.turn)
+            } else {
+                Settled::Unchanged
+            };
+            let answer = Answer {
+                status,
+                headers: res_headers.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+                body,
+            };
+            (answer, Some(settled))
+        }
+        Err(e) => {
+            let settled = (!e.outcome_unknown()).then_some(Settled::Unchanged);
+            (upstream_answer(&e), settled)
+        }
+    }
+}
+
+/// Deletes of one document, each forwarded under the document's commit slot: a write ordered
+/// before a delete is deleted with the document; a write ordered after it starts the
+/// document's next life (`201`, holding only what was written since). The store's answer is
+/// passed through; on `2xx` or `404` the document's turn mark goes with it.
+async fn delete_batch(s: &Shared, queue: &Queue, lease: &Lease, batch: &[Pending], path: &str) -> Vec<Answer> {
+    let mut slot = SlotHold::new(queue.scope.clone());
+    let mut answers = Vec::with_capacity(batch.len());
+    for p in batch {
+        let (answer, settled) = delete_one(s, lease, path, p, &mut slot).await;
+        match settled {
+            Some(settled) => slot.release(s, lease, settled).await,
+            // Unknown outcome: the slot expires by itself, after the delete can have landed.
+            None => slot.since = None,
+        }
+        answers.push(answer);
+    }
+    answers
+}
+
+/// One delete; with what the store did, or `None` when its outcome is unknown.
+async fn delete_one(
+    s: &Shared,
+    lease: &Lease,
+    path: &str,
+    p: &Pending,
+    slot: &mut SlotHold,
+) -> (Answer, Option<Settled>) {
+    if let Err(answer) = slot.hold(s, lease).await {
+        return (answer, Some(Settled::Unchanged));
+    }
+    if !lease.check() {
+        return (lease_lost(), Some(Settled::Unchanged));
+    }
+    let uri = match s.upstream.uri(path) {
+        Ok(u) => u,
+        Err(e) => {
+            let answer = Answer::error(StatusCode::BAD_REQUEST, "invalid_path", e, None);
+            return (answer, Some(Settled::Unchanged));
+        }
+    };
+    let mut headers = match &p.write.action {
+        Action::Delete { headers, .. } => headers.clone(),
+        _ => http::HeaderMap::new(),
+    };
+    strip_hop_by_hop(&mut headers);
+    headers.remove(header::HOST);
+    headers.remove(header::CONTENT_LENGTH);
+    headers.insert(FENCING_TOKEN, HeaderValue::from(lease.fence()));
+    let mut req = Request::new(full(Bytes::new()));
+    *req.method_mut() = http::Method::DELETE;
+    *req.uri_mut() = uri;
+    *req.headers_mut() = headers;
+    let started = Instant::now();
+    let result = match s.upstream.send(req).await {
+        Ok(res) => {
+            let status = res.status();
+            let mut res_headers = res.headers().clone();
+            strip_hop_by_hop(&mut res_headers);
+            res_headers.remove(header::CONTENT_LENGTH);
+            s.upstream.body(res).await.map(|b| (status, res_headers, b))
+        }
+        Err(e) => Err(e),
+    };
+    s.metrics.upstream("delete", started.elapsed());
+    match result {
+        Ok((status, res_headers, body)) => {
+            let settled = if status.is_success() || status == StatusCode::NOT_FOUND {
+                Settled::Deleted
             } else {
                 Settled::Unchanged
             };

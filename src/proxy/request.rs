@@ -35,6 +35,9 @@ pub struct WriteRequest {
 pub enum Action {
     /// Read-merge-write of the document at `document` (a path on the store).
     Merge { op: Op, document: String },
+    /// Delete the document at `document` (a path on the store), in its commit order, with
+    /// the client's headers (credentials, preconditions).
+    Delete { document: String, headers: HeaderMap },
     /// Forward this request unchanged, under the lock.
     Serialize {
         method: Method,
@@ -90,6 +93,23 @@ pub async fn parse(
     max_body: usize,
 ) -> Result<WriteRequest, Refusal> {
     let session = SessionId::parse(raw_session).map_err(|e| bad("invalid_session_id", e))?;
+    if let Mode::Merge {
+        kind: Kind::Delete,
+        document,
+    } = &route.mode
+    {
+        // A delete carries no turn and no body: it is ordered by the document's commit slot.
+        return Ok(WriteRequest {
+            turn: 0,
+            route: route.name,
+            action: Action::Delete {
+                document: document.render(session.as_str()),
+                headers: parts.headers.clone(),
+            },
+            idempotency: None,
+            session,
+        });
+    }
     let idempotency_key = match parts.headers.get(IDEMPOTENCY_KEY) {
         None => None,
         Some(v) if !v.is_empty() && v.len() <= MAX_IDEMPOTENCY_KEY_LEN => Some(v.as_bytes().to_vec()),
@@ -289,6 +309,7 @@ fn build_op(
             };
             Op::Put { doc, base_version }
         }
+        Kind::Delete => return Err(bad("invalid_route", "a delete carries no body to merge")),
         Kind::Compact => {
             let through = match doc.remove("through") {
                 Some(Value::String(s)) if !s.is_empty() => s,
