@@ -124,7 +124,8 @@ pub fn is_stale(write_turn: u64, stored_turn: u64) -> bool {
 ///
 /// - `<prefix>session:{<id>}:<turn>`: the lock of one turn (shared by the session's documents);
 /// - `<prefix>session:{<id>}:fence`: the fencing counter (monotonic, see `acquire.lua`);
-/// - `<prefix>session:{<id>}:d<scope>:…`: the keys of one protected document (see [`Scope`]).
+/// - `<prefix>session:{<id>}:d<scope>:…`: the keys of one protected document (see [`Scope`]);
+/// - `<prefix>session:{<id>}:idem:<digest>`: an idempotency record.
 #[derive(Clone, Debug)]
 pub struct Keys {
     prefix: String,
@@ -162,9 +163,10 @@ impl Keys {
         }
     }
 
-    /// An idempotency record; the client's key is hashed, so it may hold any bytes.
+    /// An idempotency record; the client's key is hashed, so it may hold any bytes. It shares
+    /// the session's hash tag: the release stores it in the same script as the lock.
     pub fn idempotency(&self, session: &SessionId, key_digest: &str) -> String {
-        format!("{}idem:{}:{}", self.prefix, session, key_digest)
+        format!("{}session:{{{}}}:idem:{}", self.prefix, session, key_digest)
     }
 }
 
