@@ -159,6 +159,40 @@ async fn a_deleted_session_is_written_again_from_scratch() {
     }
 }
 
+/// A client's copy read before a delete, written back with its old version after the session
+/// was re-created: the snapshot of that version from the previous life is never its base, so
+/// the previous life's messages do not come back; the PUT is refused as based on an unknown
+/// version.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_put_based_on_a_previous_life_is_not_merged_into_the_next() {
+    let redis = RedisServer::start();
+    let store = store().await;
+    let p = proxy(proxy_args(store.addr, Some(&redis))).await;
+    let (agent, direct) = (client(p.addr), client(store.addr));
+    for (turn, id) in [(1, "old-1"), (1, "old-2"), (1, "old-3")] {
+        assert!(append(&agent, "life", turn, id).await.status.is_success());
+    }
+    let copy = get_doc(&agent, "life").await.json;
+    assert_eq!(copy["version"], 3);
+    let r = agent
+        .send(Method::DELETE, "/v1/sessions/life", None, &[])
+        .await
+        .expect("delete");
+    assert!(r.status.is_success(), "{}", r.json);
+    assert_eq!(append(&agent, "life", 1, "new-1").await.status, StatusCode::CREATED);
+    let r = agent
+        .send(Method::PUT, "/v1/sessions/life", Some(&copy), &[])
+        .await
+        .expect("put");
+    assert_eq!(
+        (r.status, r.json["error"].as_str()),
+        (StatusCode::CONFLICT, Some("conflict")),
+        "{}",
+        r.json
+    );
+    assert_eq!(message_ids(&get_doc(&direct, "life").await.json), ["new-1"]);
+}
+
 /// Deletes racing appends through three proxies. A delete is ordered with the writes: an
 /// append sent after the last delete was answered is in the final document, one answered
 /// before the last delete was sent is not, nothing else is, and the session stays writable.

@@ -733,7 +733,10 @@ fn apply_batch(
 
 /// The snapshots of the versions that merged PUTs in the batch were based on. The current
 /// version's is among them: a PUT that follows another write in the same batch no longer
-/// finds its base as the document it is applied to.
+/// finds its base as the document it is applied to. A base newer than the current document
+/// cannot be of its present life (it was read before a delete, and stores may reuse version
+/// numbers): its snapshot is never loaded, and the PUT is refused as based on an unknown
+/// version.
 async fn load_bases(
     s: &Shared,
     scope: &Scope,
@@ -749,7 +752,7 @@ async fn load_bases(
         } = &p.write.action
         {
             let v = *base_version;
-            if v == 0 || bases.contains_key(&v) {
+            if v == 0 || v > current_version || bases.contains_key(&v) {
                 continue;
             }
             if v == current_version {
