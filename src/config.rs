@@ -37,6 +37,9 @@ pub enum Command {
     Bench(BenchArgs),
 }
 
+/// Longest `--session-ttl-secs`: ten years.
+const MAX_SESSION_TTL_SECS: u64 = 10 * 365 * 24 * 3600;
+
 #[derive(Debug, Clone, Args)]
 pub struct ProxyArgs {
     /// Address the agent connects to.
@@ -187,8 +190,8 @@ impl ProxyArgs {
         if self.lock_budget_ms == 0 {
             return err("--lock-budget-ms must be at least 1");
         }
-        if self.session_ttl_secs == 0 {
-            return err("--session-ttl-secs must be at least 1");
+        if self.session_ttl_secs == 0 || self.session_ttl_secs > MAX_SESSION_TTL_SECS {
+            return err("--session-ttl-secs must be between 1 and 315360000 (ten years)");
         }
         if self.lock_ttl_ms < 10 {
             return err("--lock-ttl-ms must be at least 10");

@@ -619,3 +619,17 @@ impl EventState {
             .expect("response")
     }
 }
+
+/// A session TTL of zero or past ten years is refused at startup, before anything is served.
+#[tokio::test]
+async fn a_session_ttl_out_of_range_is_refused_at_startup() {
+    for bad in [0, 10 * 365 * 24 * 3600 + 1] {
+        let mut args = turnlock::config::ProxyArgs::local("http://127.0.0.1:9".into());
+        args.session_ttl_secs = bad;
+        let refused = turnlock::sidecar::start(args).await.err().map(|e| e.to_string());
+        assert!(
+            refused.as_deref().is_some_and(|m| m.contains("--session-ttl-secs")),
+            "{bad}: {refused:?}"
+        );
+    }
+}

@@ -17,8 +17,14 @@ pub struct MemoryLocks {
     pub(super) held: DashMap<String, String>,
     locks: DashMap<String, Holder>,
     wakers: DashMap<String, Arc<Notify>>,
-    counters: DashMap<String, u64>,
+    /// Fencing counters and turn marks, each with its expiry (refreshed by writes).
+    counters: DashMap<String, Counter>,
     pending: DashMap<String, Holder>,
+}
+
+struct Counter {
+    value: u64,
+    expires: Instant,
 }
 
 struct Holder {
@@ -62,9 +68,9 @@ impl MemoryLocks {
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_micros() as u64)
             .unwrap_or(0);
-        let mut counter = self.counters.entry(fence_key.to_owned()).or_insert(0);
-        *counter = (*counter + 1).max(micros);
-        Attempt::Granted { fence: *counter }
+        let fence = (self.counter(fence_key) + 1).max(micros);
+        self.set_counter(fence_key, fence);
+        Attempt::Granted { fence }
     }
 
     pub(super) fn watch(&self, key: &str) -> Wake {
@@ -120,7 +126,7 @@ impl MemoryLocks {
         };
         drop(slot);
         Slot::Taken {
-            turn_mark: self.counters.get(&scope.turn_mark()).map(|v| *v).unwrap_or(0),
+            turn_mark: self.counter(&scope.turn_mark()),
         }
     }
 
@@ -128,8 +134,9 @@ impl MemoryLocks {
         match settled {
             Settled::Unchanged => {}
             Settled::Accepted(turn) => {
-                let mut mark = self.counters.entry(scope.turn_mark()).or_insert(0);
-                *mark = (*mark).max(turn);
+                let key = scope.turn_mark();
+                let mark = self.counter(&key).max(turn);
+                self.set_counter(&key, mark);
             }
             Settled::Deleted => {
                 self.counters.remove(&scope.turn_mark());
@@ -141,9 +148,25 @@ impl MemoryLocks {
             .is_some()
     }
 
+    /// A counter's value; 0 when absent or expired.
+    fn counter(&self, key: &str) -> u64 {
+        let now = Instant::now();
+        self.counters
+            .get(key)
+            .filter(|c| c.expires > now)
+            .map(|c| c.value)
+            .unwrap_or(0)
+    }
+
+    fn set_counter(&self, key: &str, value: u64) {
+        let expires = Instant::now() + self.settings.key_ttl;
+        self.counters.insert(key.to_owned(), Counter { value, expires });
+    }
+
     /// Drops expired locks (called periodically so abandoned keys do not accumulate).
     pub fn sweep(&self) {
         let now = Instant::now();
+        self.counters.retain(|_, c| c.expires > now);
         self.locks.retain(|_, h| h.expires > now);
         self.pending.retain(|_, h| h.expires > now);
         self.wakers.retain(|_, n| Arc::strong_count(n) > 1);
