@@ -105,6 +105,10 @@ pub struct ProxyArgs {
     /// then serves only connections made to the proxy directly.
     #[arg(long, env = "TURNLOCK_TRANSPARENT")]
     pub transparent: bool,
+    /// Largest session document a write may produce, in bytes; a merged PUT (a whole
+    /// document) may be this large even when it is over --max-body-bytes.
+    #[arg(long, env = "TURNLOCK_MAX_DOCUMENT_BYTES", default_value_t = 8 * 1024 * 1024)]
+    pub max_document_bytes: usize,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -192,6 +196,9 @@ impl ProxyArgs {
         if self.redis_wait_replicas > 0 && self.redis_wait_timeout_ms >= self.lock_ttl_ms {
             return err("--redis-wait-timeout-ms must be shorter than --lock-ttl-ms");
         }
+        if self.max_document_bytes == 0 {
+            return err("--max-document-bytes must be positive");
+        }
         if self.max_body_bytes == 0 || self.max_batch == 0 {
             return err("--max-body-bytes and --max-batch must be positive");
         }
@@ -231,6 +238,7 @@ impl ProxyArgs {
             max_batch: 128,
             shutdown_grace_ms: 10_000,
             transparent: false,
+            max_document_bytes: 8 * 1024 * 1024,
         }
     }
 }
