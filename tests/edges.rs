@@ -104,6 +104,11 @@ type Scripted = (u16, Vec<(&'static str, &'static str)>, Vec<u8>);
 /// A store with its own API answering the n-th request with `script[n]` (the last one
 /// repeats); counts the requests it answered with a 2xx.
 async fn scripted_store(script: Vec<Scripted>) -> (SocketAddr, Arc<AtomicUsize>) {
+    scripted_store_slow_first(script, Duration::ZERO).await
+}
+
+/// [`scripted_store`] whose first answer comes after `first_delay`.
+async fn scripted_store_slow_first(script: Vec<Scripted>, first_delay: Duration) -> (SocketAddr, Arc<AtomicUsize>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
     let applied = Arc::new(AtomicUsize::new(0));
@@ -121,10 +126,15 @@ async fn scripted_store(script: Vec<Scripted>) -> (SocketAddr, Arc<AtomicUsize>)
                     let (script, seen, applied) = (script.clone(), seen.clone(), applied.clone());
                     async move {
                         let _ = req.into_body().collect().await;
-                        let n = seen.fetch_add(1, Ordering::SeqCst).min(script.len() - 1);
+                        let seen_before = seen.fetch_add(1, Ordering::SeqCst);
+                        let n = seen_before.min(script.len() - 1);
                         let (status, headers, body) = &script[n];
+                        // Applied at once; answered (the first time) later.
                         if (200..300).contains(status) {
                             applied.fetch_add(1, Ordering::SeqCst);
+                        }
+                        if seen_before == 0 {
+                            tokio::time::sleep(first_delay).await;
                         }
                         let mut b = Response::builder().status(*status);
                         for (k, v) in headers {
@@ -192,6 +202,76 @@ async fn a_retry_after_an_unknown_outcome_is_not_applied_twice() {
 }
 
 #[tokio::test]
+async fn an_idempotency_claim_lives_as_long_as_its_write_can_run() {
+    let redis = RedisServer::start();
+    let store = store().await;
+    // Every PUT is answered after 1 s; each store request may take up to 10 s.
+    let late = late_answering_store(store.addr, Duration::from_millis(1000)).await;
+    let mut args = proxy_args(late, Some(&redis));
+    args.upstream_timeout_ms = 10_000;
+    let proxy = proxy(args).await;
+    let agent = client(proxy.addr);
+    let write = tokio::spawn(async move {
+        send(
+            &agent,
+            Method::POST,
+            "/v1/sessions/lt/messages",
+            json!({"turn": 1, "messages": [{"id": "a"}]}),
+            &[key("k-life")],
+        )
+        .await
+    });
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let claims = redis.keys("*idem*");
+    assert_eq!(claims.len(), 1, "{claims:?}");
+    let ttl_ms = match redis.cmd(&["PTTL", &claims[0]]) {
+        redis::Value::Int(n) => n,
+        other => panic!("PTTL: {other:?}"),
+    };
+    // A write may take a store round trip per read and per write-back, over several attempts,
+    // each up to the store timeout: its claim outlives all of them.
+    assert!(
+        ttl_ms > 50_000,
+        "the claim expires in {ttl_ms} ms while its write may run for longer"
+    );
+    assert_eq!(write.await.expect("write").status, StatusCode::CREATED);
+    proxy.stop().await;
+    store.stop().await;
+}
+
+#[tokio::test]
+async fn a_record_replaces_only_its_own_claim() {
+    let redis = RedisServer::start();
+    let store = store().await;
+    let late = late_answering_store(store.addr, Duration::from_millis(800)).await;
+    let proxy = proxy(proxy_args(late, Some(&redis))).await;
+    let agent = client(proxy.addr);
+    let write = tokio::spawn(async move {
+        send(
+            &agent,
+            Method::POST,
+            "/v1/sessions/cas/messages",
+            json!({"turn": 1, "messages": [{"id": "a"}]}),
+            &[key("k-cas")],
+        )
+        .await
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let claims = redis.keys("*idem*");
+    assert_eq!(claims.len(), 1, "{claims:?}");
+    // The claim is gone (expired, say) and another request claimed the key meanwhile.
+    let other = r#"{"fingerprint":"another","claim":"someone-else"}"#;
+    redis.cmd(&["SET", &claims[0], other, "PX", "60000"]);
+    assert_eq!(write.await.expect("write").status, StatusCode::CREATED);
+    match redis.cmd(&["GET", &claims[0]]) {
+        redis::Value::BulkString(b) => assert_eq!(String::from_utf8_lossy(&b), other),
+        v => panic!("GET: {v:?}"),
+    }
+    proxy.stop().await;
+    store.stop().await;
+}
+
+#[tokio::test]
 async fn a_transient_429_is_not_recorded_and_the_retry_applies_once() {
     let redis = RedisServer::start();
     let (upstream, applied) = scripted_store(vec![
@@ -234,6 +314,68 @@ async fn an_answer_that_is_not_text_is_recorded_and_replayed_byte_for_byte() {
     assert_eq!(again.body.as_ref(), gzip.as_slice());
     assert_eq!(again.headers["idempotent-replayed"], "true");
     assert_eq!(again.headers["content-encoding"], "gzip");
+    assert_eq!(applied.load(Ordering::SeqCst), 1);
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn a_client_that_disconnects_does_not_leave_its_claim_pending() {
+    let redis = RedisServer::start();
+    let (upstream, applied) = scripted_store_slow_first(
+        vec![
+            (500, vec![], b"{\"error\":\"boom\"}".to_vec()),
+            (201, vec![], b"{\"ok\":true}".to_vec()),
+        ],
+        Duration::from_millis(800),
+    )
+    .await;
+    let (proxy, _dir) = serialize_proxy(upstream, &redis).await;
+    let agent = client(proxy.addr);
+    let headers = [("x-turn", "1".to_string()), key("k-gone")];
+    // The client gives up (and closes its connection) while the store is still working.
+    let gone = tokio::time::timeout(
+        Duration::from_millis(200),
+        send(&agent, Method::POST, "/threads/d/events", json!({"e": 1}), &headers),
+    )
+    .await;
+    assert!(gone.is_err());
+    // The write ends in a 500, which is not recorded: the retry applies it.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let r = send(&agent, Method::POST, "/threads/d/events", json!({"e": 1}), &headers).await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(applied.load(Ordering::SeqCst), 1);
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn a_serialized_write_with_an_unknown_outcome_is_never_forwarded_twice() {
+    let redis = RedisServer::start();
+    let (upstream, applied) = scripted_store_slow_first(
+        vec![(201, vec![], b"{\"ok\":true}".to_vec())],
+        Duration::from_millis(1000),
+    )
+    .await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let routes = dir.path().join("routes.toml");
+    std::fs::write(
+        &routes,
+        "[[route]]\nmethod = \"POST\"\npath = \"/threads/{session}/events\"\nturn = { header = \"X-Turn\" }\nmode = \"serialize\"\n",
+    )
+    .expect("write routes");
+    let mut args = proxy_args(upstream, Some(&redis));
+    args.routes = Some(routes.to_string_lossy().into_owned());
+    args.upstream_timeout_ms = 300;
+    let proxy = proxy(args).await;
+    let agent = client(proxy.addr);
+    let headers = [("x-turn", "1".to_string()), key("k-unknown")];
+    let r = send(&agent, Method::POST, "/threads/u/events", json!({"e": 1}), &headers).await;
+    assert_eq!(r.status, StatusCode::GATEWAY_TIMEOUT);
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let r = send(&agent, Method::POST, "/threads/u/events", json!({"e": 1}), &headers).await;
+    assert_eq!(
+        (r.status, r.headers["idempotent-replayed"].to_str().ok()),
+        (StatusCode::GATEWAY_TIMEOUT, Some("true"))
+    );
     assert_eq!(applied.load(Ordering::SeqCst), 1);
     proxy.stop().await;
 }
