@@ -32,8 +32,9 @@ pub enum Op {
     Append { messages: Vec<Value> },
     /// RFC 7396 merge patch of the document's own fields.
     Patch { patch: Map<String, Value> },
-    /// A client's full document, merged three ways against the version it read.
-    Put { doc: Document, base_version: u64 },
+    /// A client's full document, merged three ways against the version it read (`None`: the
+    /// client said none, which only a new session accepts).
+    Put { doc: Document, base_version: Option<u64> },
     /// Drop the messages up to and including `through`, and set `summary` (when given; else
     /// the stored summary stays).
     Compact { through: String, summary: Option<Value> },
@@ -165,6 +166,8 @@ pub enum MergeError {
     UnknownThrough { through: String },
     #[error("session not found")]
     NotFound,
+    #[error("a merged PUT of a stored session needs the version it was based on: `version` in the body or If-Match")]
+    VersionRequired,
 }
 
 impl MergeError {
@@ -176,6 +179,7 @@ impl MergeError {
             Self::VersionMismatch { .. } => "version_mismatch",
             Self::UnknownThrough { .. } => "unknown_message",
             Self::NotFound => "session_not_found",
+            Self::VersionRequired => "precondition_required",
         }
     }
 }
@@ -312,6 +316,9 @@ pub fn apply(
             },
             Some(cur),
         ) => {
+            let Some(base_version) = base_version else {
+                return Err(MergeError::VersionRequired);
+            };
             let own;
             let base = if *base_version == version_of(cur) {
                 own = Snapshot::of(cur);
@@ -921,7 +928,7 @@ mod tests {
             2,
             Op::Put {
                 doc: mine,
-                base_version: 1,
+                base_version: Some(1),
             },
             Some(&snap),
         )
@@ -959,7 +966,7 @@ mod tests {
             1,
             Op::Put {
                 doc: mine,
-                base_version: 1,
+                base_version: Some(1),
             },
             Some(&Snapshot::of(&v1)),
         )
@@ -997,7 +1004,7 @@ mod tests {
             1,
             Op::Put {
                 doc: v1.clone(),
-                base_version: 1,
+                base_version: Some(1),
             },
             None,
         )
@@ -1034,7 +1041,7 @@ mod tests {
             2,
             Op::Put {
                 doc: mine,
-                base_version: 1,
+                base_version: Some(1),
             },
             Some(&Snapshot::of(&v1)),
         )
@@ -1179,7 +1186,7 @@ mod tests {
             2,
             Op::Put {
                 doc: v3.clone(),
-                base_version: 3,
+                base_version: Some(3),
             },
             None,
         )
@@ -1196,7 +1203,7 @@ mod tests {
             turn_of(cur),
             Op::Put {
                 doc: mine,
-                base_version: version_of(base),
+                base_version: Some(version_of(base)),
             },
             Some(&snap),
         )
@@ -1568,7 +1575,7 @@ mod tests {
                     let mut mine = read.clone();
                     if let Some(Value::Array(list)) = mine.get_mut("messages") { list.push(msg(&id)); }
                     let snap = Snapshot::of(read);
-                    run(Some(&cur), 0, Op::Put { doc: mine, base_version: version_of(read) }, Some(&snap)).unwrap()
+                    run(Some(&cur), 0, Op::Put { doc: mine, base_version: Some(version_of(read)) }, Some(&snap)).unwrap()
                 };
                 history.push(next);
             }

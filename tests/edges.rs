@@ -800,6 +800,9 @@ async fn preconditions_are_required_compared_strongly_and_honoured_by_the_store(
         "{}",
         r.json
     );
+    // ...which a new session does not need.
+    let r = put_doc(&agent, "pc-new", &json!({"turn": 1, "messages": [{"id": "a"}]}), &[]).await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.json);
     // Body and If-Match disagree.
     let r = put_doc(
         &agent,

@@ -176,7 +176,7 @@ proptest! {
                     messages.extend(ids.iter().map(|i| msg(Some(*i))));
                     d.insert("messages".into(), Value::Array(messages));
                     let base = if *stale_base { stored_version.saturating_sub(1) } else { stored_version };
-                    Op::Put { doc: d, base_version: base }
+                    Op::Put { doc: d, base_version: Some(base) }
                 }
             };
             let result = merge::apply(&session, doc.as_ref(), turn, &op, None, &mut ids);

@@ -661,7 +661,9 @@ fn apply_batch(
             continue;
         };
         let base = match op {
-            Op::Put { base_version, .. } => bases.get(base_version),
+            Op::Put {
+                base_version: Some(v), ..
+            } => bases.get(v),
             _ => None,
         };
         match merge::apply(
@@ -695,11 +697,13 @@ async fn load_bases(
     let mut bases = HashMap::new();
     for p in batch {
         if let Action::Merge {
-            op: Op::Put { base_version, .. },
+            op: Op::Put {
+                base_version: Some(v), ..
+            },
             ..
         } = &p.write.action
         {
-            let v = *base_version;
+            let v = *v;
             if v == 0 || bases.contains_key(&v) {
                 continue;
             }
@@ -734,6 +738,7 @@ fn merge_refusal(s: &Shared, e: &MergeError) -> Answer {
         ),
         MergeError::UnknownThrough { .. } => (StatusCode::CONFLICT, None),
         MergeError::NotFound => (StatusCode::NOT_FOUND, None),
+        MergeError::VersionRequired => (StatusCode::PRECONDITION_REQUIRED, None),
     };
     Answer::error(status, e.code(), e, extra)
 }

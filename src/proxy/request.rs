@@ -334,14 +334,9 @@ fn build_op(
                         format!("body version {b} and If-Match {h} disagree; send the version read in both"),
                     ))
                 }
-                (Some(v), _) | (None, Some(v)) => v,
-                (None, None) => {
-                    return Err(Refusal::new(
-                        StatusCode::PRECONDITION_REQUIRED,
-                        "precondition_required",
-                        "a merged PUT needs the version it was based on: `version` in the body or If-Match",
-                    ))
-                }
+                (Some(v), _) | (None, Some(v)) => Some(v),
+                // Only a new session is created without one (else 428, under the lock).
+                (None, None) => None,
             };
             Op::Put { doc, base_version }
         }
