@@ -202,6 +202,38 @@ async fn a_retry_after_an_unknown_outcome_is_not_applied_twice() {
 }
 
 #[tokio::test]
+async fn a_compaction_retried_after_an_unknown_outcome_is_answered_not_refused() {
+    let redis = RedisServer::start();
+    let store = store().await;
+    let direct = client(store.addr);
+    let seeded = put_doc(
+        &direct,
+        "slow-c",
+        &json!({"session": "slow-c", "turn": 1, "version": 1, "messages": [{"id": "m1"}, {"id": "m2"}, {"id": "m3"}]}),
+        &[],
+    )
+    .await;
+    assert!(seeded.status.is_success());
+    let late = late_answering_store(store.addr, Duration::from_millis(1500)).await;
+    let mut args = proxy_args(late, Some(&redis));
+    args.upstream_timeout_ms = 500;
+    let proxy = proxy(args).await;
+    let agent = client(proxy.addr);
+    let body = json!({"turn": 1, "through": "m2", "summary": "m1 and m2"});
+    let path = "/v1/sessions/slow-c/compact";
+    let first = send(&agent, Method::POST, path, body.clone(), &[key("k-compact")]).await;
+    assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT, "{}", first.json);
+    tokio::time::sleep(Duration::from_millis(1600)).await;
+    let retry = send(&agent, Method::POST, path, body, &[key("k-compact")]).await;
+    assert_eq!(retry.status, StatusCode::OK, "{}", retry.json);
+    let stored = get_doc(&direct, "slow-c").await.json;
+    assert_eq!(message_ids(&stored), ["m3"]);
+    assert_eq!(stored["summary"], "m1 and m2");
+    proxy.stop().await;
+    store.stop().await;
+}
+
+#[tokio::test]
 async fn an_idempotency_claim_lives_as_long_as_its_write_can_run() {
     let redis = RedisServer::start();
     let store = store().await;
