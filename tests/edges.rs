@@ -614,6 +614,58 @@ async fn state_is_merged_key_by_key_so_only_the_same_key_conflicts() {
     s.stop().await;
 }
 
+#[tokio::test]
+async fn agents_changing_their_own_keys_of_state_through_get_modify_put_never_conflict() {
+    let redis = RedisServer::start();
+    let s = store().await;
+    let proxies = [
+        proxy(proxy_args(s.addr, Some(&redis))).await,
+        proxy(proxy_args(s.addr, Some(&redis))).await,
+    ];
+    let direct = client(s.addr);
+    let r = send(
+        &client(proxies[0].addr),
+        Method::PATCH,
+        "/v1/sessions/four",
+        json!({"turn": 1, "state": {}}),
+        &[],
+    )
+    .await;
+    assert!(r.status.is_success());
+    const ROUNDS: u64 = 40;
+    let mut agents = Vec::new();
+    for a in 0..4u64 {
+        let agent = client(proxies[(a % 2) as usize].addr);
+        agents.push(tokio::spawn(async move {
+            let mut statuses = Vec::new();
+            for round in 1..=ROUNDS {
+                let mut doc = get_doc(&agent, "four").await.json;
+                doc["state"][format!("agent{a}")] = json!(round);
+                statuses.push(put_doc(&agent, "four", &doc, &[]).await.status);
+            }
+            statuses
+        }));
+    }
+    let mut conflicts = 0;
+    for agent in agents {
+        let statuses = agent.await.expect("agent");
+        conflicts += statuses.iter().filter(|s| **s == StatusCode::CONFLICT).count();
+        assert!(
+            statuses.iter().all(|s| s.is_success() || *s == StatusCode::CONFLICT),
+            "{statuses:?}"
+        );
+    }
+    assert_eq!(conflicts, 0, "{conflicts} conflicts for writes to distinct keys");
+    let state = &get_doc(&direct, "four").await.json["state"];
+    for a in 0..4 {
+        assert_eq!(state[format!("agent{a}")], ROUNDS, "{state}");
+    }
+    for p in proxies {
+        p.stop().await;
+    }
+    s.stop().await;
+}
+
 // === sizes ===
 
 #[tokio::test]
