@@ -599,10 +599,16 @@ fn three_way_messages(
     let mut remove: HashSet<usize> = HashSet::new();
     let mut conflicts = Vec::new();
     for m in &resolved {
-        let Some(&i) = message_id(m).and_then(|id| position.get(&id)) else {
+        let Some(id) = message_id(m) else { continue };
+        let Some(&i) = position.get(&id) else {
+            // Removed since the client's read (compacted or deleted): an edit of it cannot be
+            // made. (A copy without `turn` cannot be told from the base: it is taken as unedited.)
+            let edited = m.get("turn").is_some() && base.message_digest(&id).is_some_and(|b| digest(m) != b);
+            if edited {
+                conflicts.push(id);
+            }
             continue;
         };
-        let id = message_id(m).unwrap_or_default();
         let current = &stored[i];
         if same_message(current, m) {
             continue;
@@ -1258,6 +1264,36 @@ mod tests {
         same[0]["content"] = json!("theirs");
         let out = put(&v2, with_messages(&v1, same), &v1).unwrap();
         assert_eq!(messages_of(&out)[0]["content"], json!("theirs"));
+    }
+
+    #[test]
+    fn put_editing_a_message_compacted_meanwhile_is_a_conflict() {
+        let v1 = run(
+            None,
+            1,
+            Op::Append {
+                messages: vec![msg("a"), msg("b")],
+            },
+            None,
+        )
+        .unwrap();
+        let v2 = run(
+            Some(&v1),
+            1,
+            Op::Compact {
+                through: "a".into(),
+                summary: None,
+            },
+            None,
+        )
+        .unwrap();
+        let mut mine = messages_of(&v1).to_vec();
+        mine[0]["content"] = json!("edited");
+        let err = put(&v2, with_messages(&v1, mine), &v1).unwrap_err();
+        assert_eq!(err, MergeError::MessageConflict { ids: vec!["a".into()] });
+        // Unedited, it is simply not brought back.
+        let out = put(&v2, v1.clone(), &v1).unwrap();
+        assert_eq!(ids(&out), ["b"]);
     }
 
     #[test]
