@@ -135,8 +135,8 @@ impl Pipeline {
         let mut claim = None;
         if let Some((key, fingerprint)) = &idem {
             match self.claim(key, fingerprint).await {
-                Ok(value) => claim = Some((key.clone(), value)),
-                Err(answer) => return answer,
+                Claim::Held(value) => claim = Some((key.clone(), value)),
+                Claim::Answered(answer) => return answer,
             }
         }
         let answer = self.enqueue(write, deadline, claim.clone()).await;
@@ -165,28 +165,28 @@ impl Pipeline {
     }
 
     /// Claims an idempotency key (returning the claim stored), or answers from its record.
-    async fn claim(&self, key: &str, fingerprint: &str) -> Result<Bytes, Answer> {
+    async fn claim(&self, key: &str, fingerprint: &str) -> Claim {
         let s = &self.shared;
         let claim_ttl = self.claim_ttl();
         for _ in 0..2 {
             match s.records.get(key).await {
-                Err(e) => return Err(Answer::retryable("lock_unavailable", e)),
+                Err(e) => return Claim::Answered(Answer::retryable("lock_unavailable", e)),
                 Ok(Some(bytes)) => {
                     let Some(record) = Record::parse(&bytes) else {
-                        return Err(Answer::retryable(
+                        return Claim::Answered(Answer::retryable(
                             "idempotency_record_unreadable",
                             "the idempotency record could not be read",
                         ));
                     };
                     if record.fingerprint != fingerprint {
-                        return Err(Answer::error(
+                        return Claim::Answered(Answer::error(
                             StatusCode::UNPROCESSABLE_ENTITY,
                             "idempotency_key_reused",
                             "this Idempotency-Key was used for a different request",
                             None,
                         ));
                     }
-                    return Err(match record.done {
+                    return Claim::Answered(match record.done {
                         Some(stored) => {
                             s.metrics.idempotent_replay();
                             stored.answer().with_header(
@@ -203,14 +203,14 @@ impl Pipeline {
                 Ok(None) => {
                     let claim = Record::pending(fingerprint);
                     match s.records.put_new(key, claim.clone(), claim_ttl).await {
-                        Ok(true) => return Ok(claim),
+                        Ok(true) => return Claim::Held(claim),
                         Ok(false) => continue,
-                        Err(e) => return Err(Answer::retryable("lock_unavailable", e)),
+                        Err(e) => return Claim::Answered(Answer::retryable("lock_unavailable", e)),
                     }
                 }
             }
         }
-        Err(Answer::retryable(
+        Claim::Answered(Answer::retryable(
             "request_in_progress",
             "a request with this Idempotency-Key is in progress",
         ))
@@ -281,6 +281,15 @@ impl Pipeline {
             }
         }
     }
+}
+
+/// The outcome of claiming an idempotency key.
+enum Claim {
+    /// This request holds the key: the claim's exact value, to replace or drop it later only
+    /// while it still holds.
+    Held(Bytes),
+    /// Answered from the key's record (a replay, a reuse with another payload, in progress).
+    Answered(Answer),
 }
 
 fn busy(budget: Duration) -> Answer {
