@@ -234,6 +234,48 @@ async fn a_compaction_retried_after_an_unknown_outcome_is_answered_not_refused()
 }
 
 #[tokio::test]
+async fn a_merged_put_retried_after_an_unknown_outcome_is_not_applied_twice() {
+    let redis = RedisServer::start();
+    let store = store().await;
+    let direct = client(store.addr);
+    // The version the client reads is written through turnlock (which keeps its snapshot).
+    let plain = proxy(proxy_args(store.addr, Some(&redis))).await;
+    let r = send(
+        &client(plain.addr),
+        Method::POST,
+        "/v1/sessions/slow-p/messages",
+        json!({"turn": 1, "messages": [{"id": "a", "content": ""}]}),
+        &[],
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::CREATED);
+    plain.stop().await;
+    let late = late_answering_store(store.addr, Duration::from_millis(1500)).await;
+    let mut args = proxy_args(late, Some(&redis));
+    args.upstream_timeout_ms = 500;
+    let proxy = proxy(args).await;
+    let agent = client(proxy.addr);
+    let mut doc = get_doc(&agent, "slow-p").await.json;
+    doc["messages"][0]["content"] = json!("final text");
+    doc["messages"]
+        .as_array_mut()
+        .expect("messages")
+        .push(json!({"role": "assistant", "content": "no id"}));
+    doc["state"] = json!({"k": 1});
+    let first = put_doc(&agent, "slow-p", &doc, &[key("k-put")]).await;
+    assert_eq!(first.status, StatusCode::GATEWAY_TIMEOUT, "{}", first.json);
+    tokio::time::sleep(Duration::from_millis(1600)).await;
+    let retry = put_doc(&agent, "slow-p", &doc, &[key("k-put")]).await;
+    assert_eq!(retry.status, StatusCode::OK, "{}", retry.json);
+    let stored = get_doc(&direct, "slow-p").await.json;
+    assert_eq!(message_ids(&stored).len(), 2, "{stored}");
+    assert_eq!(stored["messages"][0]["content"], "final text");
+    assert_eq!(stored["state"], json!({"k": 1}));
+    proxy.stop().await;
+    store.stop().await;
+}
+
+#[tokio::test]
 async fn an_idempotency_claim_lives_as_long_as_its_write_can_run() {
     let redis = RedisServer::start();
     let store = store().await;
