@@ -276,6 +276,53 @@ async fn a_merged_put_retried_after_an_unknown_outcome_is_not_applied_twice() {
 }
 
 #[tokio::test]
+async fn a_slow_write_retried_on_another_proxy_while_it_runs_is_stored_once() {
+    let redis = RedisServer::start();
+    let store = store().await;
+    let direct = client(store.addr);
+    // The first write-back takes 15 s at the store, within a store timeout of 20 s.
+    let late = late_answering_store(store.addr, Duration::from_millis(15_000)).await;
+    let mut args = proxy_args(late, Some(&redis));
+    args.upstream_timeout_ms = 20_000;
+    args.lock_budget_ms = 800;
+    let (a, b) = (proxy(args.clone()).await, proxy(args).await);
+    let body = json!({"turn": 1, "messages": [{"role": "user", "content": "slow, and retried"}]});
+    let path = "/v1/sessions/slow-r/messages";
+    let agent_a = client(a.addr);
+    let first = {
+        let body = body.clone();
+        tokio::spawn(async move { agent_a.send(Method::POST, path, Some(&body), &[key("k-slow")]).await })
+    };
+    // The client gives up (its own timeout is 10 s) and retries on the other proxy at 14.9 s,
+    // where it waits for the lock until the first write is done.
+    tokio::time::sleep(Duration::from_millis(14_900)).await;
+    let agent_b = client(b.addr);
+    let retry = send(&agent_b, Method::POST, path, body.clone(), &[key("k-slow")]).await;
+    assert!(
+        retry.status.is_success() || retry.json["error"] == "request_in_progress",
+        "{} {}",
+        retry.status,
+        retry.json
+    );
+    let _ = first.await;
+    // Once the first write is done, the retry is answered from its record.
+    let mut again = send(&agent_b, Method::POST, path, body.clone(), &[key("k-slow")]).await;
+    for _ in 0..50 {
+        if again.status.is_success() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        again = send(&agent_b, Method::POST, path, body.clone(), &[key("k-slow")]).await;
+    }
+    assert!(again.status.is_success(), "{} {}", again.status, again.json);
+    let stored = get_doc(&direct, "slow-r").await.json;
+    assert_eq!(message_ids(&stored).len(), 1, "stored twice: {stored}");
+    a.stop().await;
+    b.stop().await;
+    store.stop().await;
+}
+
+#[tokio::test]
 async fn an_idempotency_claim_lives_as_long_as_its_write_can_run() {
     let redis = RedisServer::start();
     let store = store().await;
