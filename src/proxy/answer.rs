@@ -210,3 +210,37 @@ mod base64 {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn status(code: u16) -> Answer {
+        Answer::error(StatusCode::from_u16(code).unwrap(), "x", "x", None)
+    }
+
+    #[test]
+    fn try_again_later_answers_are_not_final() {
+        for code in [200, 201, 400, 404, 409, 412, 413, 422, 428] {
+            assert!(status(code).is_final(), "{code}");
+        }
+        for code in [408, 425, 429, 500, 502, 503, 504] {
+            assert!(!status(code).is_final(), "{code}");
+        }
+    }
+
+    #[test]
+    fn a_record_keeps_a_body_that_is_not_text() {
+        let mut answer = status(201);
+        answer.body = Bytes::from_static(&[0x1f, 0x8b, 0x08, 0x00, 0xff]);
+        let bytes = Record::done("fp", &answer).unwrap();
+        let replayed = Record::parse(&bytes).unwrap().done.unwrap().answer();
+        assert_eq!(replayed.body, answer.body);
+        assert_eq!(replayed.status, StatusCode::CREATED);
+    }
+
+    #[test]
+    fn every_claim_is_its_own() {
+        assert_ne!(Record::pending("fp"), Record::pending("fp"));
+    }
+}

@@ -447,3 +447,30 @@ fn too_large(max: usize) -> Refusal {
 pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn if_match_is_star_strong_or_weak() {
+        let parse = |v: &'static str| parse_if_match(&http::HeaderValue::from_static(v)).ok();
+        assert_eq!(parse("*"), Some(IfMatch::Any));
+        assert_eq!(parse("\"3\""), Some(IfMatch::Strong(3)));
+        assert_eq!(parse("W/\"3\""), Some(IfMatch::Weak(3)));
+        assert_eq!(parse("\"abc\""), None);
+    }
+
+    #[test]
+    fn the_turn_field_is_the_first_segment_of_its_pointer() {
+        assert_eq!(turn_field(&TurnSource::Body("/turn".into())).as_deref(), Some("turn"));
+        assert_eq!(
+            turn_field(&TurnSource::Body("/meta/turn".into())).as_deref(),
+            Some("meta")
+        );
+        assert_eq!(
+            turn_field(&TurnSource::Header(http::HeaderName::from_static("x-turn"))),
+            None
+        );
+    }
+}
