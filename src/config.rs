@@ -112,6 +112,10 @@ pub struct ProxyArgs {
     /// in seconds. A session written again after that starts from what the store holds.
     #[arg(long, env = "TURNLOCK_SESSION_TTL_SECS", default_value_t = 7 * 24 * 3600)]
     pub session_ttl_secs: u64,
+    /// Largest session document a write may produce, in bytes; a merged PUT (a whole
+    /// document) may be this large even when it is over --max-body-bytes.
+    #[arg(long, env = "TURNLOCK_MAX_DOCUMENT_BYTES", default_value_t = 8 * 1024 * 1024)]
+    pub max_document_bytes: usize,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -202,6 +206,9 @@ impl ProxyArgs {
         if self.redis_wait_replicas > 0 && self.redis_wait_timeout_ms >= self.lock_ttl_ms {
             return err("--redis-wait-timeout-ms must be shorter than --lock-ttl-ms");
         }
+        if self.max_document_bytes == 0 {
+            return err("--max-document-bytes must be positive");
+        }
         if self.max_body_bytes == 0 || self.max_batch == 0 {
             return err("--max-body-bytes and --max-batch must be positive");
         }
@@ -242,6 +249,7 @@ impl ProxyArgs {
             shutdown_grace_ms: 10_000,
             transparent: false,
             session_ttl_secs: 7 * 24 * 3600,
+            max_document_bytes: 8 * 1024 * 1024,
         }
     }
 }

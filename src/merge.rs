@@ -6,7 +6,8 @@
 //! writes by calling [`apply`] once per write on the evolving document.
 
 use serde_json::{Map, Value};
-use std::collections::HashSet;
+use sha2::{Digest, Sha256};
+use std::collections::{HashMap, HashSet};
 
 use crate::session::{is_stale, SessionId};
 
@@ -14,8 +15,15 @@ use crate::session::{is_stale, SessionId};
 /// other fields, which belong to the application and survive every write.
 pub type Document = Map<String, Value>;
 
+/// The field where turnlock keeps the ids of the latest compacted messages, so that a late
+/// retry of an append cannot bring them back.
+pub const COMPACTED_IDS: &str = "compacted_ids";
+
+/// How many compacted ids are remembered (the oldest are forgotten first).
+pub const COMPACTED_WINDOW: usize = 1000;
+
 /// Fields no write may set directly: turnlock maintains them.
-const MANAGED: [&str; 3] = ["session", "version", "messages"];
+const MANAGED: [&str; 4] = ["session", "version", "messages", COMPACTED_IDS];
 
 /// One write, already parsed and validated at the edge.
 #[derive(Clone, Debug, PartialEq)]
@@ -24,12 +32,15 @@ pub enum Op {
     Append { messages: Vec<Value> },
     /// RFC 7396 merge patch of the document's own fields.
     Patch { patch: Map<String, Value> },
-    /// A client's full document, merged three ways against the version it read.
-    Put { doc: Document, base_version: u64 },
-    /// Drop the messages up to and including `through`, and set `summary`.
-    Compact { through: String, summary: Value },
-    /// Replace the whole document, if it is still at `if_match`.
-    Replace { doc: Document, if_match: u64 },
+    /// A client's full document, merged three ways against the version it read (`None`: the
+    /// client said none, which only a new session accepts).
+    Put { doc: Document, base_version: Option<u64> },
+    /// Drop the messages up to and including `through`, and set `summary` (when given; else
+    /// the stored summary stays).
+    Compact { through: String, summary: Option<Value> },
+    /// Replace the whole document, if it is still at `if_match` (`None`: `If-Match: *`, any
+    /// stored document).
+    Replace { doc: Document, if_match: Option<u64> },
 }
 
 impl Op {
@@ -44,28 +55,97 @@ impl Op {
     }
 }
 
-/// What a three-way merge needs to know of the version a client read.
+/// What a three-way merge needs to know of the version a client read: digests, not values.
+/// An object field is kept as a tree of its members' digests (so objects merge key by key);
+/// any other value as one digest. Its size grows with the number of keys and messages, not
+/// with the size of their values.
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Snapshot {
     pub version: u64,
-    /// Every field but `messages`.
-    pub fields: Map<String, Value>,
+    /// Every field but `messages`, as digest trees (see [`digest_tree`]).
+    pub field_digests: Map<String, Value>,
     /// The ids of the messages, in order.
     pub message_ids: Vec<String>,
+    /// The digest of each message, in the order of `message_ids`.
+    pub message_digests: Vec<String>,
 }
 
 impl Snapshot {
     pub fn of(doc: &Document) -> Self {
-        let fields = doc
+        let field_digests = doc
             .iter()
             .filter(|(k, _)| k.as_str() != "messages")
-            .map(|(k, v)| (k.clone(), v.clone()))
+            .map(|(k, v)| (k.clone(), digest_tree(v)))
             .collect();
+        let (message_ids, message_digests) = messages_of(doc)
+            .iter()
+            .filter_map(|m| Some((message_id(m)?, digest(m))))
+            .unzip();
         Self {
             version: version_of(doc),
-            fields,
-            message_ids: messages_of(doc).iter().filter_map(message_id).collect(),
+            field_digests,
+            message_ids,
+            message_digests,
         }
+    }
+
+    fn message_digest(&self, id: &str) -> Option<&str> {
+        self.message_ids
+            .iter()
+            .position(|i| i == id)
+            .and_then(|i| self.message_digests.get(i))
+            .map(String::as_str)
+    }
+}
+
+/// Writes `value` as canonical JSON: object keys sorted, no whitespace. Two values that are
+/// equal as JSON (whatever their key order) have the same canonical form.
+pub fn canonical(value: &Value, out: &mut Vec<u8>) {
+    match value {
+        Value::Object(map) => {
+            let mut keys: Vec<&String> = map.keys().collect();
+            keys.sort();
+            out.push(b'{');
+            for (i, k) in keys.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                out.extend(serde_json::to_vec(k).unwrap_or_default());
+                out.push(b':');
+                canonical(&map[k], out);
+            }
+            out.push(b'}');
+        }
+        Value::Array(items) => {
+            out.push(b'[');
+            for (i, v) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                canonical(v, out);
+            }
+            out.push(b']');
+        }
+        other => out.extend(serde_json::to_vec(other).unwrap_or_default()),
+    }
+}
+
+/// A short digest of a value's canonical form (16 bytes of SHA-256, hex).
+pub fn digest(value: &Value) -> String {
+    let mut bytes = Vec::new();
+    canonical(value, &mut bytes);
+    Sha256::digest(&bytes)[..16]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// An object as a JSON object of its members' digest trees; any other value as its digest
+/// (a string). Two values are equal exactly when their trees are (up to digest collisions).
+pub fn digest_tree(value: &Value) -> Value {
+    match value {
+        Value::Object(map) => Value::Object(map.iter().map(|(k, v)| (k.clone(), digest_tree(v))).collect()),
+        other => Value::String(digest(other)),
     }
 }
 
@@ -76,25 +156,30 @@ pub enum MergeError {
     StaleTurn { turn: u64, current: u64 },
     #[error("fields changed both by this write and concurrently: {}", fields.join(", "))]
     Conflict { fields: Vec<String> },
+    #[error("messages changed both by this write and concurrently: {}", ids.join(", "))]
+    MessageConflict { ids: Vec<String> },
     #[error("the version this write was based on ({base}) is no longer known; read the session again and retry")]
     BaseUnknown { base: u64 },
-    #[error("the document is at version {current}, not {expected}")]
-    VersionMismatch { expected: u64, current: u64 },
+    #[error("the document is at version {current}, not {}", expected.map_or("any stored version".to_owned(), |v| v.to_string()))]
+    VersionMismatch { expected: Option<u64>, current: u64 },
     #[error("message {through:?} is not stored in this session")]
     UnknownThrough { through: String },
     #[error("session not found")]
     NotFound,
+    #[error("a merged PUT of a stored session needs the version it was based on: `version` in the body or If-Match")]
+    VersionRequired,
 }
 
 impl MergeError {
     pub fn code(&self) -> &'static str {
         match self {
             Self::StaleTurn { .. } => "stale_turn",
-            Self::Conflict { .. } => "conflict",
+            Self::Conflict { .. } | Self::MessageConflict { .. } => "conflict",
             Self::BaseUnknown { .. } => "conflict",
             Self::VersionMismatch { .. } => "version_mismatch",
             Self::UnknownThrough { .. } => "unknown_message",
             Self::NotFound => "session_not_found",
+            Self::VersionRequired => "precondition_required",
         }
     }
 }
@@ -119,9 +204,49 @@ impl IdSource for RandomIds {
     }
 }
 
+/// Ids derived from a seed (an idempotency key and its request's fingerprint): a retry of the
+/// same request gets the same ids, so de-duplication by id absorbs it.
+pub struct KeyedIds {
+    seed: String,
+    next: u64,
+}
+
+impl KeyedIds {
+    pub fn new(seed: &str) -> Self {
+        Self {
+            seed: seed.to_owned(),
+            next: 0,
+        }
+    }
+}
+
+impl IdSource for KeyedIds {
+    fn next_id(&mut self) -> String {
+        let mut h = Sha256::new();
+        h.update(self.seed.as_bytes());
+        h.update(self.next.to_be_bytes());
+        self.next += 1;
+        let d = h.finalize();
+        format!("m-{}", d[..8].iter().map(|b| format!("{b:02x}")).collect::<String>())
+    }
+}
+
+/// Gives an id to every message of `messages` that has none.
+pub fn assign_ids(messages: &mut [Value], ids: &mut dyn IdSource) {
+    for m in messages {
+        if let Some(obj) = m.as_object_mut() {
+            if !obj.get("id").is_some_and(Value::is_string) {
+                obj.insert("id".into(), Value::String(ids.next_id()));
+            }
+        }
+    }
+}
+
 /// Applies one write to `current` (the stored document, `None` when absent), producing the next
 /// document, with its version bumped by one. `base` is the snapshot of the version a `Put`
 /// was based on, when it differs from `current`'s version and turnlock still knows it.
+///
+/// Stored messages without an id are given one first, once: they are written back with it.
 pub fn apply(
     session: &SessionId,
     current: Option<&Document>,
@@ -136,11 +261,25 @@ pub fn apply(
             return Err(MergeError::StaleTurn { turn, current: stored });
         }
     }
+    let with_ids;
+    let current = match current {
+        Some(doc) if messages_of(doc).iter().any(|m| message_id(m).is_none()) => {
+            let mut doc = doc.clone();
+            if let Some(Value::Array(list)) = doc.get_mut("messages") {
+                assign_ids(list, ids);
+            }
+            with_ids = doc;
+            Some(&with_ids)
+        }
+        other => other,
+    };
     let mut applied = Applied::default();
     let mut next = match (op, current) {
         (Op::Append { messages }, cur) => {
             let mut doc = cur.cloned().unwrap_or_else(|| empty(session));
-            append_new(&mut doc, messages, turn, &HashSet::new(), ids, &mut applied);
+            let compacted: Vec<String> = compacted_ids(&doc).into_iter().map(str::to_owned).collect();
+            let skip = compacted.iter().map(String::as_str).collect();
+            append_new(&mut doc, messages, turn, &skip, ids, &mut applied);
             doc
         }
         (Op::Patch { patch }, cur) => {
@@ -177,6 +316,9 @@ pub fn apply(
             },
             Some(cur),
         ) => {
+            let Some(base_version) = base_version else {
+                return Err(MergeError::VersionRequired);
+            };
             let own;
             let base = if *base_version == version_of(cur) {
                 own = Snapshot::of(cur);
@@ -188,10 +330,9 @@ pub fn apply(
                 }
             };
             let mut doc = three_way_fields(cur, incoming, base)?;
-            // Messages the client's copy had but the store no longer has were removed since
-            // (by a compaction): they must not come back.
-            let removed: HashSet<&str> = base.message_ids.iter().map(String::as_str).collect();
-            append_new(&mut doc, messages_of(incoming), turn, &removed, ids, &mut applied);
+            if incoming.contains_key("messages") {
+                three_way_messages(&mut doc, messages_of(incoming), turn, base, ids, &mut applied)?;
+            }
             doc
         }
         (Op::Compact { .. }, None) => return Err(MergeError::NotFound),
@@ -202,12 +343,22 @@ pub fn apply(
                 .iter()
                 .position(|m| message_id(m).as_deref() == Some(through.as_str()))
             else {
+                // The same compaction again (a retry whose first attempt landed) is a no-op.
+                let done = compacted_ids(cur).contains(through.as_str())
+                    && summary.as_ref().map_or(true, |s| cur.get("summary") == Some(s));
+                if done {
+                    return Ok(finish(session, Some(cur), turn, cur.clone(), applied));
+                }
                 return Err(MergeError::UnknownThrough {
                     through: through.clone(),
                 });
             };
+            let dropped: Vec<String> = messages[..=pos].iter().filter_map(message_id).collect();
+            remember_compacted(&mut doc, dropped);
             doc.insert("messages".into(), Value::Array(messages[pos + 1..].to_vec()));
-            doc.insert("summary".into(), summary.clone());
+            if let Some(summary) = summary {
+                doc.insert("summary".into(), summary.clone());
+            }
             doc
         }
         (
@@ -218,7 +369,11 @@ pub fn apply(
             cur,
         ) => {
             let current_version = cur.map(version_of).unwrap_or(0);
-            if *if_match != current_version {
+            let matches = match if_match {
+                Some(v) => *v == current_version,
+                None => cur.is_some(),
+            };
+            if !matches {
                 return Err(MergeError::VersionMismatch {
                     expected: *if_match,
                     current: current_version,
@@ -229,6 +384,9 @@ pub fn apply(
                 if !MANAGED.contains(&k.as_str()) {
                     doc.insert(k.clone(), v.clone());
                 }
+            }
+            if let Some(kept) = cur.and_then(|c| c.get(COMPACTED_IDS)) {
+                doc.insert(COMPACTED_IDS.into(), kept.clone());
             }
             append_new(
                 &mut doc,
@@ -241,12 +399,44 @@ pub fn apply(
             doc
         }
     };
+    next.insert("session".into(), Value::String(session.as_str().to_owned()));
+    Ok(finish(session, current, turn, next, applied))
+}
+
+fn finish(
+    session: &SessionId,
+    current: Option<&Document>,
+    turn: u64,
+    mut next: Document,
+    applied: Applied,
+) -> (Document, Applied) {
     let version = current.map(version_of).unwrap_or(0) + 1;
     let new_turn = current.map(turn_of).unwrap_or(0).max(turn);
     next.insert("session".into(), Value::String(session.as_str().to_owned()));
     next.insert("turn".into(), Value::from(new_turn));
     next.insert("version".into(), Value::from(version));
-    Ok((next, applied))
+    (next, applied)
+}
+
+/// The ids of the latest compacted messages (see [`COMPACTED_WINDOW`]).
+pub fn compacted_ids(doc: &Document) -> HashSet<&str> {
+    doc.get(COMPACTED_IDS)
+        .and_then(Value::as_array)
+        .map(|ids| ids.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default()
+}
+
+fn remember_compacted(doc: &mut Document, dropped: Vec<String>) {
+    let mut list: Vec<Value> = doc
+        .get(COMPACTED_IDS)
+        .and_then(Value::as_array)
+        .cloned()
+        .unwrap_or_default();
+    list.extend(dropped.into_iter().map(Value::String));
+    if list.len() > COMPACTED_WINDOW {
+        list.drain(..list.len() - COMPACTED_WINDOW);
+    }
+    doc.insert(COMPACTED_IDS.into(), Value::Array(list));
 }
 
 /// A new, empty session document.
@@ -345,9 +535,133 @@ fn append_new(
     }
 }
 
-/// The three-way merge of every field but the managed ones and `turn`: what the client did not
-/// change keeps its current value, what only the client changed takes the client's value, what
-/// both changed the same way is kept, and what both changed differently is a conflict.
+/// Whether a client's copy of a message says the same as the stored one: equal, or equal but
+/// for the `turn` turnlock added to a message sent without one.
+fn same_message(stored: &Value, incoming: &Value) -> bool {
+    if stored == incoming {
+        return true;
+    }
+    match (stored.as_object(), incoming.as_object()) {
+        (Some(s), Some(n)) if !n.contains_key("turn") => {
+            s.len() == n.len() + 1 && s.contains_key("turn") && n.iter().all(|(k, v)| s.get(k) == Some(v))
+        }
+        _ => false,
+    }
+}
+
+/// The messages of a merged `PUT`, three ways per message against the client's base:
+///
+/// - a message without an id is the stored message it equals (ignoring the id), else new;
+/// - a message the client did not change keeps its stored value; one only the client changed
+///   takes the client's value, in place; one both changed differently is a conflict;
+/// - a message of the base the client left out was deleted by it: removed when nobody else
+///   changed it, else a conflict;
+/// - a message the store no longer has but the base had (compacted or deleted meanwhile), or
+///   one compacted recently, is not brought back; any other new message is appended.
+fn three_way_messages(
+    doc: &mut Document,
+    incoming: &[Value],
+    turn: u64,
+    base: &Snapshot,
+    ids: &mut dyn IdSource,
+    applied: &mut Applied,
+) -> Result<(), MergeError> {
+    let stored: Vec<Value> = messages_of(doc).to_vec();
+    let position: HashMap<String, usize> = stored
+        .iter()
+        .enumerate()
+        .filter_map(|(i, m)| Some((message_id(m)?, i)))
+        .collect();
+    // Give id-less incoming messages the id of the stored message they equal.
+    let explicit: HashSet<String> = incoming.iter().filter_map(message_id).collect();
+    let mut taken: HashSet<usize> = HashSet::new();
+    let mut resolved = Vec::with_capacity(incoming.len());
+    for m in incoming {
+        if message_id(m).is_some() {
+            resolved.push(m.clone());
+            continue;
+        }
+        let found = stored.iter().enumerate().find(|(i, s)| {
+            !taken.contains(i)
+                && message_id(s).is_some_and(|id| !explicit.contains(&id))
+                && without_id(s).is_some_and(|s| same_message(&s, m))
+        });
+        let mut m = m.clone();
+        if let (Some((i, s)), Some(obj)) = (found, m.as_object_mut()) {
+            taken.insert(i);
+            if let Some(id) = message_id(s) {
+                obj.insert("id".into(), Value::String(id));
+            }
+        }
+        resolved.push(m);
+    }
+    let mut next = stored.clone();
+    let mut remove: HashSet<usize> = HashSet::new();
+    let mut conflicts = Vec::new();
+    for m in &resolved {
+        let Some(id) = message_id(m) else { continue };
+        let Some(&i) = position.get(&id) else {
+            // Removed since the client's read (compacted or deleted): an edit of it cannot be
+            // made. (A copy without `turn` cannot be told from the base: it is taken as unedited.)
+            let edited = m.get("turn").is_some() && base.message_digest(&id).is_some_and(|b| digest(m) != b);
+            if edited {
+                conflicts.push(id);
+            }
+            continue;
+        };
+        let current = &stored[i];
+        if same_message(current, m) {
+            continue;
+        }
+        match base.message_digest(&id) {
+            Some(b) if digest(m) == b => {}
+            Some(b) if digest(current) == b => next[i] = m.clone(),
+            _ => conflicts.push(id),
+        }
+    }
+    let sent: HashSet<String> = resolved.iter().filter_map(message_id).collect();
+    for (id, b) in base.message_ids.iter().zip(&base.message_digests) {
+        if sent.contains(id) {
+            continue;
+        }
+        if let Some(&i) = position.get(id) {
+            if digest(&stored[i]) == *b {
+                remove.insert(i);
+            } else {
+                conflicts.push(id.clone());
+            }
+        }
+    }
+    if !conflicts.is_empty() {
+        return Err(MergeError::MessageConflict { ids: conflicts });
+    }
+    let kept: Vec<Value> = next
+        .into_iter()
+        .enumerate()
+        .filter(|(i, _)| !remove.contains(i))
+        .map(|(_, m)| m)
+        .collect();
+    doc.insert("messages".into(), Value::Array(kept));
+    let mut skip: HashSet<&str> = base.message_ids.iter().map(String::as_str).collect();
+    let compacted: Vec<String> = compacted_ids(doc).into_iter().map(str::to_owned).collect();
+    skip.extend(compacted.iter().map(String::as_str));
+    // Ids of messages the client sent that are stored (kept or edited) are answered too.
+    let mut answered = Applied::default();
+    append_new(doc, &resolved, turn, &skip, ids, &mut answered);
+    applied.message_ids.extend(answered.message_ids);
+    Ok(())
+}
+
+fn without_id(message: &Value) -> Option<Value> {
+    let mut obj = message.as_object()?.clone();
+    obj.remove("id");
+    Some(Value::Object(obj))
+}
+
+/// The three-way merge of every field but the managed ones and `turn`, objects key by key
+/// (recursively): what the client did not change keeps its current value, what only the
+/// client changed takes the client's value, what both changed the same way is kept, and what
+/// both changed differently is a conflict (named by its path, e.g. `state.plan`).
 fn three_way_fields(current: &Document, incoming: &Document, base: &Snapshot) -> Result<Document, MergeError> {
     let mut doc = current.clone();
     let mut conflicts = Vec::new();
@@ -356,7 +670,7 @@ fn three_way_fields(current: &Document, incoming: &Document, base: &Snapshot) ->
         current
             .keys()
             .chain(incoming.keys())
-            .chain(base.fields.keys())
+            .chain(base.field_digests.keys())
             .filter(|k| seen.insert(k.as_str()))
             .collect()
     };
@@ -364,17 +678,20 @@ fn three_way_fields(current: &Document, incoming: &Document, base: &Snapshot) ->
         if MANAGED.contains(&key.as_str()) || key == "turn" {
             continue;
         }
-        let (c, n, b) = (current.get(key), incoming.get(key), base.fields.get(key));
-        if n == b || c == n {
-            continue;
-        }
-        if c == b {
-            match n {
-                Some(v) => doc.insert(key.clone(), v.clone()),
-                None => doc.remove(key),
-            };
-        } else {
-            conflicts.push(key.clone());
+        let merged = merge3(
+            key,
+            current.get(key),
+            incoming.get(key),
+            base.field_digests.get(key),
+            &mut conflicts,
+        );
+        match merged {
+            Some(v) => {
+                doc.insert(key.clone(), v);
+            }
+            None => {
+                doc.remove(key);
+            }
         }
     }
     if conflicts.is_empty() {
@@ -382,6 +699,40 @@ fn three_way_fields(current: &Document, incoming: &Document, base: &Snapshot) ->
     } else {
         Err(MergeError::Conflict { fields: conflicts })
     }
+}
+
+/// One value three ways: `c` current, `n` the client's, `b` the base's digest tree.
+fn merge3(
+    path: &str,
+    c: Option<&Value>,
+    n: Option<&Value>,
+    b: Option<&Value>,
+    conflicts: &mut Vec<String>,
+) -> Option<Value> {
+    if c == n || n.map(digest_tree).as_ref() == b {
+        return c.cloned();
+    }
+    if c.map(digest_tree).as_ref() == b {
+        return n.cloned();
+    }
+    if let (Some(Value::Object(co)), Some(Value::Object(no))) = (c, n) {
+        let none = Map::new();
+        let bo = match b {
+            Some(Value::Object(m)) => m,
+            _ => &none,
+        };
+        let mut seen = HashSet::new();
+        let mut out = Map::new();
+        for key in co.keys().chain(no.keys()).filter(|k| seen.insert(k.as_str())) {
+            let sub = format!("{path}.{key}");
+            if let Some(v) = merge3(&sub, co.get(key), no.get(key), bo.get(key), conflicts) {
+                out.insert(key.clone(), v);
+            }
+        }
+        return Some(Value::Object(out));
+    }
+    conflicts.push(path.to_owned());
+    c.cloned()
 }
 
 /// RFC 7396 for one top-level member: `null` removes, objects merge recursively, anything else
@@ -440,8 +791,17 @@ mod tests {
         messages_of(doc).iter().filter_map(message_id).collect()
     }
 
+    /// Ids unique across every call of a test process, as random ones are.
+    struct Unique;
+    impl IdSource for Unique {
+        fn next_id(&mut self) -> String {
+            static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+            format!("gen-{}", NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+        }
+    }
+
     fn run(cur: Option<&Document>, turn: u64, op: Op, base: Option<&Snapshot>) -> Result<Document, MergeError> {
-        apply(&sid(), cur, turn, &op, base, &mut Counter(0)).map(|(d, _)| d)
+        apply(&sid(), cur, turn, &op, base, &mut Unique).map(|(d, _)| d)
     }
 
     #[test]
@@ -574,7 +934,7 @@ mod tests {
             2,
             Op::Put {
                 doc: mine,
-                base_version: 1,
+                base_version: Some(1),
             },
             Some(&snap),
         )
@@ -612,7 +972,7 @@ mod tests {
             1,
             Op::Put {
                 doc: mine,
-                base_version: 1,
+                base_version: Some(1),
             },
             Some(&Snapshot::of(&v1)),
         )
@@ -650,7 +1010,7 @@ mod tests {
             1,
             Op::Put {
                 doc: v1.clone(),
-                base_version: 1,
+                base_version: Some(1),
             },
             None,
         )
@@ -674,7 +1034,7 @@ mod tests {
             2,
             Op::Compact {
                 through: "b".into(),
-                summary: json!("a and b"),
+                summary: Some(json!("a and b")),
             },
             None,
         )
@@ -687,7 +1047,7 @@ mod tests {
             2,
             Op::Put {
                 doc: mine,
-                base_version: 1,
+                base_version: Some(1),
             },
             Some(&Snapshot::of(&v1)),
         )
@@ -721,7 +1081,7 @@ mod tests {
             1,
             Op::Compact {
                 through: "a".into(),
-                summary: json!({"s": 1}),
+                summary: Some(json!({"s": 1})),
             },
             None,
         )
@@ -732,7 +1092,7 @@ mod tests {
             1,
             Op::Compact {
                 through: "a".into(),
-                summary: json!(null),
+                summary: Some(json!(null)),
             },
             None,
         )
@@ -744,7 +1104,7 @@ mod tests {
                 1,
                 Op::Compact {
                     through: "a".into(),
-                    summary: json!(null)
+                    summary: Some(json!(null))
                 },
                 None
             )
@@ -770,7 +1130,7 @@ mod tests {
             1,
             Op::Replace {
                 doc: new.clone(),
-                if_match: 0,
+                if_match: Some(0),
             },
             None,
         )
@@ -778,11 +1138,20 @@ mod tests {
         assert_eq!(
             err,
             MergeError::VersionMismatch {
-                expected: 0,
+                expected: Some(0),
                 current: 1
             }
         );
-        let out = run(Some(&v1), 1, Op::Replace { doc: new, if_match: 1 }, None).unwrap();
+        let out = run(
+            Some(&v1),
+            1,
+            Op::Replace {
+                doc: new,
+                if_match: Some(1),
+            },
+            None,
+        )
+        .unwrap();
         assert_eq!(ids(&out), ["z"]);
         assert_eq!(out["state"], json!({"fresh": true}));
         assert_eq!(version_of(&out), 2);
@@ -813,7 +1182,7 @@ mod tests {
             2,
             Op::Compact {
                 through: "a".into(),
-                summary: json!("s"),
+                summary: Some(json!("s")),
             },
             None,
         )
@@ -823,7 +1192,7 @@ mod tests {
             2,
             Op::Put {
                 doc: v3.clone(),
-                base_version: 3,
+                base_version: Some(3),
             },
             None,
         )
@@ -833,7 +1202,398 @@ mod tests {
         }
     }
 
+    fn put(cur: &Document, mine: Document, base: &Document) -> Result<Document, MergeError> {
+        let snap = Snapshot::of(base);
+        run(
+            Some(cur),
+            turn_of(cur),
+            Op::Put {
+                doc: mine,
+                base_version: Some(version_of(base)),
+            },
+            Some(&snap),
+        )
+    }
+
+    fn with_messages(doc: &Document, messages: Vec<Value>) -> Document {
+        let mut d = doc.clone();
+        d.insert("messages".into(), Value::Array(messages));
+        d
+    }
+
+    #[test]
+    fn put_edit_of_a_message_nobody_else_changed_is_applied_in_place() {
+        let v1 = run(
+            None,
+            1,
+            Op::Append {
+                messages: vec![msg("a"), msg("b")],
+            },
+            None,
+        )
+        .unwrap();
+        let mut edited = messages_of(&v1).to_vec();
+        edited[0]["content"] = json!("final text");
+        let out = put(&v1, with_messages(&v1, edited), &v1).unwrap();
+        assert_eq!(ids(&out), ["a", "b"]);
+        assert_eq!(messages_of(&out)[0]["content"], json!("final text"));
+    }
+
+    #[test]
+    fn put_edit_of_a_message_changed_concurrently_is_a_conflict_naming_it() {
+        let v1 = run(
+            None,
+            1,
+            Op::Append {
+                messages: vec![msg("a"), msg("b")],
+            },
+            None,
+        )
+        .unwrap();
+        // Another writer edits `a` (through a PUT of its own) first.
+        let mut theirs = messages_of(&v1).to_vec();
+        theirs[0]["content"] = json!("theirs");
+        let v2 = put(&v1, with_messages(&v1, theirs), &v1).unwrap();
+        let mut mine = messages_of(&v1).to_vec();
+        mine[0]["content"] = json!("mine");
+        mine[1]["content"] = json!("b edited");
+        let err = put(&v2, with_messages(&v1, mine), &v1).unwrap_err();
+        assert_eq!(err, MergeError::MessageConflict { ids: vec!["a".into()] });
+        // The same edit on both sides is no conflict.
+        let mut same = messages_of(&v1).to_vec();
+        same[0]["content"] = json!("theirs");
+        let out = put(&v2, with_messages(&v1, same), &v1).unwrap();
+        assert_eq!(messages_of(&out)[0]["content"], json!("theirs"));
+    }
+
+    #[test]
+    fn put_editing_a_message_compacted_meanwhile_is_a_conflict() {
+        let v1 = run(
+            None,
+            1,
+            Op::Append {
+                messages: vec![msg("a"), msg("b")],
+            },
+            None,
+        )
+        .unwrap();
+        let v2 = run(
+            Some(&v1),
+            1,
+            Op::Compact {
+                through: "a".into(),
+                summary: None,
+            },
+            None,
+        )
+        .unwrap();
+        let mut mine = messages_of(&v1).to_vec();
+        mine[0]["content"] = json!("edited");
+        let err = put(&v2, with_messages(&v1, mine), &v1).unwrap_err();
+        assert_eq!(err, MergeError::MessageConflict { ids: vec!["a".into()] });
+        // Unedited, it is simply not brought back.
+        let out = put(&v2, v1.clone(), &v1).unwrap();
+        assert_eq!(ids(&out), ["b"]);
+    }
+
+    #[test]
+    fn put_without_a_message_deletes_it_unless_changed_meanwhile() {
+        let v1 = run(
+            None,
+            1,
+            Op::Append {
+                messages: vec![msg("a"), msg("b")],
+            },
+            None,
+        )
+        .unwrap();
+        let out = put(&v1, with_messages(&v1, vec![messages_of(&v1)[1].clone()]), &v1).unwrap();
+        assert_eq!(ids(&out), ["b"]);
+        let mut theirs = messages_of(&v1).to_vec();
+        theirs[0]["content"] = json!("edited");
+        let v2 = put(&v1, with_messages(&v1, theirs), &v1).unwrap();
+        let err = put(&v2, with_messages(&v1, vec![messages_of(&v1)[1].clone()]), &v1).unwrap_err();
+        assert_eq!(err, MergeError::MessageConflict { ids: vec!["a".into()] });
+        // A PUT without `messages` at all leaves them alone.
+        let mut no_messages = v1.clone();
+        no_messages.remove("messages");
+        assert_eq!(ids(&put(&v1, no_messages, &v1).unwrap()), ["a", "b"]);
+    }
+
+    #[test]
+    fn stored_messages_without_ids_get_ids_once_and_copies_do_not_multiply() {
+        let mut stored = run(None, 1, Op::Append { messages: vec![] }, None).unwrap();
+        let plain = vec![
+            json!({"role": "user", "content": "hi"}),
+            json!({"role": "assistant", "content": "hello"}),
+            json!({"role": "user", "content": "hi"}),
+        ];
+        stored.insert("messages".into(), Value::Array(plain.clone()));
+        // A client that keeps the messages as read, without ids, PUTs three times.
+        let mut doc = stored.clone();
+        for round in 0..3 {
+            let mut mine = with_messages(&doc, plain.clone());
+            mine.insert("round".into(), json!(round));
+            doc = put(&doc, mine, &doc).unwrap();
+            assert_eq!(messages_of(&doc).len(), 3, "round {round}: {:?}", messages_of(&doc));
+            assert!(messages_of(&doc).iter().all(|m| message_id(m).is_some()));
+        }
+        // A client that drops ids of what it read (which now have ids) and adds one message.
+        let mut dropped: Vec<Value> = messages_of(&doc).iter().map(|m| without_id(m).unwrap()).collect();
+        dropped.push(json!({"role": "user", "content": "new"}));
+        let out = put(&doc, with_messages(&doc, dropped), &doc).unwrap();
+        assert_eq!(messages_of(&out).len(), 4);
+        // Ids given once can be compacted through.
+        let through = ids(&out)[1].clone();
+        let out = run(Some(&out), 1, Op::Compact { through, summary: None }, None).unwrap();
+        assert_eq!(messages_of(&out).len(), 2);
+    }
+
+    #[test]
+    fn objects_merge_key_by_key_recursively_and_conflicts_name_the_path() {
+        let v1 = run(
+            None,
+            1,
+            Op::Patch {
+                patch: obj(json!({"state": {"a": 1, "b": 1, "deep": {"x": 1, "y": 1}}})),
+            },
+            None,
+        )
+        .unwrap();
+        let mut one = v1.clone();
+        one["state"]["a"] = json!(2);
+        one["state"]["deep"]["x"] = json!(2);
+        let v2 = put(&v1, one, &v1).unwrap();
+        let mut two = v1.clone();
+        two["state"]["b"] = json!(3);
+        two["state"]["deep"]["y"] = json!(3);
+        two["state"]["new"] = json!(true);
+        let v3 = put(&v2, two, &v1).unwrap();
+        assert_eq!(
+            v3["state"],
+            json!({"a": 2, "b": 3, "deep": {"x": 2, "y": 3}, "new": true})
+        );
+        let mut three = v1.clone();
+        three["state"]["deep"]["x"] = json!(9);
+        let err = put(&v3, three, &v1).unwrap_err();
+        assert_eq!(
+            err,
+            MergeError::Conflict {
+                fields: vec!["state.deep.x".into()]
+            }
+        );
+    }
+
+    #[test]
+    fn snapshots_hold_digests_whose_size_does_not_grow_with_the_values() {
+        let big = "x".repeat(500_000);
+        let doc = run(
+            None,
+            1,
+            Op::Patch {
+                patch: obj(json!({"state": {"blob": big, "k": 1}, "notes": "y".repeat(100_000)})),
+            },
+            None,
+        )
+        .unwrap();
+        let size = serde_json::to_vec(&Snapshot::of(&doc)).unwrap().len();
+        assert!(size < 1_000, "snapshot of a 600 KB document is {size} bytes");
+    }
+
+    #[test]
+    fn compaction_without_summary_keeps_the_summary_and_repeats_are_no_ops() {
+        let v1 = run(
+            None,
+            1,
+            Op::Append {
+                messages: vec![msg("a"), msg("b"), msg("c")],
+            },
+            None,
+        )
+        .unwrap();
+        let v2 = run(
+            Some(&v1),
+            1,
+            Op::Compact {
+                through: "a".into(),
+                summary: Some(json!("s1")),
+            },
+            None,
+        )
+        .unwrap();
+        let v3 = run(
+            Some(&v2),
+            1,
+            Op::Compact {
+                through: "b".into(),
+                summary: None,
+            },
+            None,
+        )
+        .unwrap();
+        assert_eq!(v3["summary"], json!("s1"));
+        assert_eq!(ids(&v3), ["c"]);
+        // The same compaction again (a retry) changes nothing.
+        let again = run(
+            Some(&v3),
+            1,
+            Op::Compact {
+                through: "b".into(),
+                summary: None,
+            },
+            None,
+        )
+        .unwrap();
+        assert_eq!(ids(&again), ["c"]);
+        assert_eq!(again["summary"], json!("s1"));
+        // A compacted id appended again is not brought back.
+        let v4 = run(
+            Some(&v3),
+            1,
+            Op::Append {
+                messages: vec![msg("a"), msg("d")],
+            },
+            None,
+        )
+        .unwrap();
+        assert_eq!(ids(&v4), ["c", "d"]);
+    }
+
+    #[test]
+    fn the_compacted_id_window_is_bounded() {
+        let mut doc = run(None, 1, Op::Append { messages: vec![] }, None).unwrap();
+        for i in 0..(COMPACTED_WINDOW + 10) {
+            let id = format!("c{i}");
+            doc = run(
+                Some(&doc),
+                1,
+                Op::Append {
+                    messages: vec![msg(&id)],
+                },
+                None,
+            )
+            .unwrap();
+            doc = run(
+                Some(&doc),
+                1,
+                Op::Compact {
+                    through: id,
+                    summary: None,
+                },
+                None,
+            )
+            .unwrap();
+        }
+        assert_eq!(compacted_ids(&doc).len(), COMPACTED_WINDOW);
+        assert!(!compacted_ids(&doc).contains("c0"));
+    }
+
+    #[test]
+    fn keyed_ids_repeat_for_the_same_seed_only() {
+        let a: Vec<String> = (0..3)
+            .map({
+                let mut k = KeyedIds::new("k1");
+                move |_| k.next_id()
+            })
+            .collect();
+        let b: Vec<String> = (0..3)
+            .map({
+                let mut k = KeyedIds::new("k1");
+                move |_| k.next_id()
+            })
+            .collect();
+        let c: Vec<String> = (0..3)
+            .map({
+                let mut k = KeyedIds::new("k2");
+                move |_| k.next_id()
+            })
+            .collect();
+        assert_eq!(a, b);
+        assert_ne!(a, c);
+        assert_eq!(a.iter().collect::<HashSet<_>>().len(), 3);
+    }
+
+    #[test]
+    fn canonical_json_ignores_key_order() {
+        let a: Value = serde_json::from_str(r#"{"b": 1, "a": {"y": [1, {"q": 2, "p": 1}], "x": null}}"#).unwrap();
+        let b: Value = serde_json::from_str(r#"{"a": {"x": null, "y": [1, {"p": 1, "q": 2}]}, "b": 1}"#).unwrap();
+        assert_eq!(digest(&a), digest(&b));
+        let mut out = Vec::new();
+        canonical(&a, &mut out);
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            r#"{"a":{"x":null,"y":[1,{"p":1,"q":2}]},"b":1}"#
+        );
+    }
+
     proptest! {
+        /// Writers that each change their own keys of `state` from any stale copy never
+        /// conflict, and every change is kept.
+        #[test]
+        fn disjoint_keys_of_state_never_conflict(plan in proptest::collection::vec((0usize..4, 0usize..3, 0u32..100), 1..30)) {
+            let mut history: Vec<Document> = vec![run(None, 0, Op::Patch { patch: obj(json!({"state": {}})) }, None).unwrap()];
+            let mut expected = Map::new();
+            for (step, (writer, lag, value)) in plan.into_iter().enumerate() {
+                let cur = history.last().unwrap().clone();
+                let read = history[history.len().saturating_sub(1 + lag)].clone();
+                let mut mine = read.clone();
+                let key = format!("w{writer}-{step}");
+                mine["state"][&key] = json!({"v": value});
+                expected.insert(key, json!({"v": value}));
+                let next = put(&cur, mine, &read);
+                prop_assert!(next.is_ok(), "{:?}", next);
+                history.push(next.unwrap());
+            }
+            prop_assert_eq!(&history.last().unwrap()["state"], &Value::Object(expected));
+        }
+
+        /// Edits of distinct messages from stale copies are all applied.
+        #[test]
+        fn edits_of_distinct_messages_are_all_applied(plan in proptest::collection::vec((0usize..5, 0usize..3, 0u32..100), 1..20)) {
+            let start = run(None, 0, Op::Append { messages: (0..5).map(|i| msg(&format!("m{i}"))).collect() }, None).unwrap();
+            let mut history = vec![start];
+            let mut last_writer_of: HashMap<usize, usize> = HashMap::new();
+            let mut expected: HashMap<usize, Value> = HashMap::new();
+            for (target, lag, value) in plan {
+                let cur = history.last().unwrap().clone();
+                let idx = history.len().saturating_sub(1 + lag);
+                let read = history[idx].clone();
+                let text = json!(format!("v{value}"));
+                let mut messages = messages_of(&read).to_vec();
+                messages[target]["content"] = text.clone();
+                let result = put(&cur, with_messages(&read, messages), &read);
+                // Changed since the client's copy by another write: a conflict (unless it is
+                // the same text), else applied.
+                let changed_since = last_writer_of.get(&target).is_some_and(|w| *w > idx);
+                let same = messages_of(&cur)[target]["content"] == text;
+                if messages_of(&read)[target]["content"] == text {
+                    // Not a change from the client's copy: nothing to apply.
+                    prop_assert!(result.is_ok());
+                    continue;
+                }
+                match result {
+                    Ok(next) => {
+                        prop_assert!(!changed_since || same);
+                        expected.insert(target, text);
+                        history.push(next);
+                        if !same {
+                            last_writer_of.insert(target, history.len() - 1);
+                        }
+                    }
+                    Err(MergeError::MessageConflict { ids }) => {
+                        prop_assert!(changed_since && !same);
+                        prop_assert_eq!(ids, vec![format!("m{target}")]);
+                    }
+                    Err(e) => prop_assert!(false, "unexpected {e}"),
+                }
+            }
+            let fin = history.last().unwrap();
+            prop_assert_eq!(messages_of(fin).len(), 5);
+            for (i, text) in expected {
+                prop_assert_eq!(&messages_of(fin)[i]["content"], &text);
+            }
+        }
+
         /// Any interleaving of appends and merged PUTs from stale copies keeps every message
         /// exactly once.
         #[test]
@@ -851,7 +1611,7 @@ mod tests {
                     let mut mine = read.clone();
                     if let Some(Value::Array(list)) = mine.get_mut("messages") { list.push(msg(&id)); }
                     let snap = Snapshot::of(read);
-                    run(Some(&cur), 0, Op::Put { doc: mine, base_version: version_of(read) }, Some(&snap)).unwrap()
+                    run(Some(&cur), 0, Op::Put { doc: mine, base_version: Some(version_of(read)) }, Some(&snap)).unwrap()
                 };
                 history.push(next);
             }

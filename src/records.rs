@@ -14,13 +14,21 @@ use crate::redis_conn::RedisConn;
 #[error("record store unavailable: {0}")]
 pub struct RecordError(String);
 
-/// One record to store: key, value, and how long it lives.
+/// One record to store: key, value, and how long it lives. With `expect`, the record is
+/// changed only while it still holds that value (compare-and-set); an empty `value` deletes it.
 #[derive(Clone, Debug)]
 pub struct Entry {
     pub key: String,
     pub value: Bytes,
     pub ttl: Duration,
+    pub expect: Option<Bytes>,
 }
+
+/// Compare-and-set (or compare-and-delete, with an empty value) of one record.
+const CAS: &str = r"
+if redis.call('GET', KEYS[1]) ~= ARGV[3] then return 0 end
+if ARGV[1] == '' then redis.call('DEL', KEYS[1]) else redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) end
+return 1";
 
 #[derive(Clone)]
 pub enum Records {
@@ -107,10 +115,57 @@ impl Records {
         }
     }
 
-    /// Stores entries with their own lifetimes (grouped into one round trip per lifetime).
+    /// Changes `key` to `value` (deletes it when `value` is empty) only while it holds
+    /// `expect`; returns whether it did.
+    pub async fn compare_and_set(
+        &self,
+        key: &str,
+        expect: &[u8],
+        value: Bytes,
+        ttl: Duration,
+    ) -> Result<bool, RecordError> {
+        match self {
+            Records::Memory(map) => {
+                let now = Instant::now();
+                let Some(mut entry) = map.get_mut(key) else {
+                    return Ok(false);
+                };
+                if entry.1 <= now || entry.0.as_ref() != expect {
+                    return Ok(false);
+                }
+                if value.is_empty() {
+                    drop(entry);
+                    map.remove_if(key, |_, (v, _)| v.as_ref() == expect);
+                } else {
+                    *entry = (value, now + ttl);
+                }
+                Ok(true)
+            }
+            Records::Redis(conn) => {
+                let script = redis::Script::new(CAS);
+                let script = &script;
+                let done: i64 = conn
+                    .run(|mut c| async move {
+                        let mut invocation = script.key(key);
+                        invocation.arg(value.as_ref()).arg(ttl.as_millis() as u64).arg(expect);
+                        invocation.invoke_async(&mut c).await
+                    })
+                    .await
+                    .map_err(err)?;
+                Ok(done == 1)
+            }
+        }
+    }
+
+    /// Stores entries with their own lifetimes (grouped into one round trip per lifetime);
+    /// those with an expected value one by one, compared and set.
     pub async fn put_entries(&self, entries: Vec<Entry>) -> Result<(), RecordError> {
         let mut by_ttl: Vec<(Duration, Vec<(String, Bytes)>)> = Vec::new();
         for e in entries {
+            if let Some(expect) = &e.expect {
+                self.compare_and_set(&e.key, expect, e.value, e.ttl).await?;
+                continue;
+            }
             match by_ttl.iter_mut().find(|(ttl, _)| *ttl == e.ttl) {
                 Some((_, items)) => items.push((e.key, e.value)),
                 None => by_ttl.push((e.ttl, vec![(e.key, e.value)])),

@@ -94,9 +94,14 @@ pub async fn start(args: ProxyArgs) -> Result<Running, ConfigError> {
             idempotency_ttl: Duration::from_secs(args.idempotency_ttl_secs),
             history_ttl: Duration::from_secs(args.history_ttl_secs),
             max_batch: args.max_batch,
+            upstream_timeout: Duration::from_millis(args.upstream_timeout_ms),
+            max_document_bytes: args.max_document_bytes,
         },
         upstream_timeout: Duration::from_millis(args.upstream_timeout_ms),
-        max_body: args.max_body_bytes,
+        max_body: crate::proxy::Limits {
+            body: args.max_body_bytes,
+            document: args.max_document_bytes,
+        },
     };
     let upstream = factory.upstream(&args.upstream).map_err(ConfigError)?;
     let proxy = factory.proxy(upstream.clone());
@@ -181,7 +186,7 @@ pub(crate) struct ProxyFactory {
     metrics: Metrics,
     settings: PipelineSettings,
     upstream_timeout: Duration,
-    max_body: usize,
+    max_body: crate::proxy::Limits,
 }
 
 impl ProxyFactory {

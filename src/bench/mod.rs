@@ -74,6 +74,9 @@ pub struct WriteRow {
     pub redis_commands_per_write: f64,
     /// The proxy's CPU time (user + system) per 1,000 writes.
     pub proxy_cpu_ms_per_1000: f64,
+    /// Growth of Redis's `used_memory` per write (locks, fences, version snapshots, records
+    /// that are still alive after the writes).
+    pub redis_bytes_per_write: f64,
 }
 
 /// One session written by `writers` concurrent writers with one design.
@@ -366,13 +369,13 @@ pub fn table(r: &Report) -> String {
     );
     let _ = writeln!(
         s,
-        "{:>5} {:<22} {:>9} {:>8} {:>8} {:>8} {:>11} {:>12}",
-        "conc", "path", "writes/s", "p50 ms", "p99 ms", "p999 ms", "redis cmd/w", "cpu ms/1000w"
+        "{:>5} {:<22} {:>9} {:>8} {:>8} {:>8} {:>11} {:>12} {:>13}",
+        "conc", "path", "writes/s", "p50 ms", "p99 ms", "p999 ms", "redis cmd/w", "cpu ms/1000w", "redis bytes/w"
     );
     for w in &r.uncontended {
         let _ = writeln!(
             s,
-            "{:>5} {:<22} {:>9.0} {:>8.3} {:>8.3} {:>8.3} {:>11} {:>12}",
+            "{:>5} {:<22} {:>9.0} {:>8.3} {:>8.3} {:>8.3} {:>11} {:>12} {:>13}",
             w.concurrency,
             "direct GET-modify-PUT",
             w.direct.per_sec,
@@ -380,11 +383,12 @@ pub fn table(r: &Report) -> String {
             w.direct.p99_ms,
             w.direct.p999_ms,
             "-",
+            "-",
             "-"
         );
         let _ = writeln!(
             s,
-            "{:>5} {:<22} {:>9.0} {:>8.3} {:>8.3} {:>8.3} {:>11.2} {:>12.1}",
+            "{:>5} {:<22} {:>9.0} {:>8.3} {:>8.3} {:>8.3} {:>11.2} {:>12.1} {:>13.0}",
             w.concurrency,
             "turnlock append",
             w.proxy.per_sec,
@@ -392,7 +396,8 @@ pub fn table(r: &Report) -> String {
             w.proxy.p99_ms,
             w.proxy.p999_ms,
             w.redis_commands_per_write,
-            w.proxy_cpu_ms_per_1000
+            w.proxy_cpu_ms_per_1000,
+            w.redis_bytes_per_write
         );
     }
     let _ = writeln!(s, "\nHot session: one session, writers spread over {} proxies", 3);

@@ -184,12 +184,14 @@ impl Rig {
             .await;
             let cpu_after = self.proxies[0].cpu_time();
             let writes = total.load(Ordering::Relaxed).max(1) as f64;
+            let (redis_commands_per_write, redis_bytes_per_write) = self.redis_cost_per_write(c).await?;
             rows.push(WriteRow {
                 concurrency: c,
                 direct,
                 proxy: through,
-                redis_commands_per_write: self.redis_commands_per_write(c).await?,
+                redis_commands_per_write,
                 proxy_cpu_ms_per_1000: cpu_ms_per_1000(cpu_before, cpu_after, writes),
+                redis_bytes_per_write,
             });
         }
         Ok(rows)
@@ -337,8 +339,9 @@ impl Rig {
     }
 
     /// Commands the proxy sends to Redis per uncontended append, counted with `MONITOR`
-    /// (commands that scripts run inside Redis are not counted: they cost no round trip).
-    async fn redis_commands_per_write(&self, tag: usize) -> Result<f64, BenchError> {
+    /// (commands that scripts run inside Redis are not counted: they cost no round trip), and
+    /// the growth of Redis's memory per append.
+    async fn redis_cost_per_write(&self, tag: usize) -> Result<(f64, f64), BenchError> {
         use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
         const SESSIONS: usize = 8;
         const WRITES: usize = 200;
@@ -355,6 +358,7 @@ impl Rig {
         if ok.as_deref() != Some("+OK") {
             return Err(BenchError::Failed(format!("redis MONITOR answered {ok:?}")));
         }
+        let memory_before = used_memory(self.redis.addr).await?;
         let counter = tokio::spawn(async move {
             let mut n = 0u64;
             while let Ok(Ok(Some(line))) = tokio::time::timeout(Duration::from_millis(300), lines.next_line()).await {
@@ -373,8 +377,12 @@ impl Rig {
             )
             .await;
         }
+        let memory_after = used_memory(self.redis.addr).await?;
         let commands = counter.await.map_err(|e| BenchError::Failed(e.to_string()))?;
-        Ok(commands as f64 / WRITES as f64)
+        Ok((
+            commands as f64 / WRITES as f64,
+            memory_after.saturating_sub(memory_before) as f64 / WRITES as f64,
+        ))
     }
 
     /// The proxies' histograms that explain a hot-session run, summed over all proxies.
@@ -538,4 +546,22 @@ async fn open_connection(
     let res = sender.send_request(req).await.map_err(|e| fail(&e))?;
     let _ = res.into_body().collect().await;
     Ok(sender)
+}
+
+/// Redis's `used_memory`, from `INFO memory`.
+async fn used_memory(addr: std::net::SocketAddr) -> Result<u64, BenchError> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let fail = |e: std::io::Error| BenchError::Failed(format!("redis INFO: {e}"));
+    let mut conn = tokio::net::TcpStream::connect(addr).await.map_err(fail)?;
+    conn.write_all(b"INFO memory\r\nQUIT\r\n").await.map_err(fail)?;
+    let mut reply = String::new();
+    tokio::time::timeout(Duration::from_secs(5), conn.read_to_string(&mut reply))
+        .await
+        .map_err(|_| BenchError::Failed("redis INFO: no answer".into()))?
+        .map_err(fail)?;
+    reply
+        .lines()
+        .find_map(|l| l.strip_prefix("used_memory:"))
+        .and_then(|v| v.trim().parse().ok())
+        .ok_or_else(|| BenchError::Failed("redis INFO: no used_memory".into()))
 }

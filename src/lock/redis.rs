@@ -203,7 +203,10 @@ impl RedisLocks {
                 }
                 invocation.arg(token).arg(&channel);
                 for r in records {
-                    invocation.arg(r.value.as_ref()).arg(r.ttl.as_millis() as u64);
+                    invocation
+                        .arg(r.value.as_ref())
+                        .arg(r.ttl.as_millis() as u64)
+                        .arg(r.expect.as_deref().unwrap_or_default());
                 }
                 invocation.invoke_async(&mut c).await
             })

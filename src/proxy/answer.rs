@@ -54,8 +54,13 @@ impl Answer {
     /// Whether a retry of the same request would get the same answer, so it may be recorded
     /// under its idempotency key: successes and refusals of the request itself, not
     /// transient failures.
+    /// `408`, `425` and `429` say "try again later": they are not final.
     pub fn is_final(&self) -> bool {
-        self.status.is_success() || self.status.is_client_error()
+        let transient = matches!(
+            self.status,
+            StatusCode::REQUEST_TIMEOUT | StatusCode::TOO_EARLY | StatusCode::TOO_MANY_REQUESTS
+        );
+        self.status.is_success() || (self.status.is_client_error() && !transient)
     }
 
     pub fn into_response(self) -> Response<Body> {
@@ -72,6 +77,9 @@ impl Answer {
 #[derive(Serialize, Deserialize)]
 pub struct Record {
     pub fingerprint: String,
+    /// The random token of the claim: only its owner turns it into an answer or drops it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub claim: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub done: Option<Stored>,
 }
@@ -80,23 +88,33 @@ pub struct Record {
 pub struct Stored {
     pub status: u16,
     pub headers: Vec<(String, String)>,
+    /// The body as text, when it is UTF-8.
+    #[serde(default)]
     pub body: String,
+    /// The body in base64, when it is not UTF-8 (a compressed answer, say).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub body_base64: Option<String>,
 }
 
 impl Record {
+    /// A new claim, with its own random token.
     pub fn pending(fingerprint: &str) -> Bytes {
         Bytes::from(
             serde_json::to_vec(&Record {
                 fingerprint: fingerprint.to_owned(),
+                claim: Some(format!("{:016x}{:016x}", rand::random::<u64>(), rand::random::<u64>())),
                 done: None,
             })
             .unwrap_or_default(),
         )
     }
 
-    /// The record of a final answer, when its body can be kept as text.
+    /// The record of a final answer.
     pub fn done(fingerprint: &str, answer: &Answer) -> Option<Bytes> {
-        let body = String::from_utf8(answer.body.to_vec()).ok()?;
+        let (body, body_base64) = match std::str::from_utf8(&answer.body) {
+            Ok(text) => (text.to_owned(), None),
+            Err(_) => (String::new(), Some(base64::encode(&answer.body))),
+        };
         let headers = answer
             .headers
             .iter()
@@ -108,7 +126,9 @@ impl Record {
                 status: answer.status.as_u16(),
                 headers,
                 body,
+                body_base64,
             }),
+            claim: None,
         };
         serde_json::to_vec(&record).ok().map(Bytes::from)
     }
@@ -132,7 +152,95 @@ impl Stored {
                     ))
                 })
                 .collect(),
-            body: Bytes::from(self.body.clone()),
+            body: match &self.body_base64 {
+                Some(b64) => Bytes::from(base64::decode(b64).unwrap_or_default()),
+                None => Bytes::from(self.body.clone()),
+            },
         }
+    }
+}
+
+/// Standard base64 (RFC 4648, with padding), for bodies that are not text.
+mod base64 {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+
+    pub fn encode(bytes: &[u8]) -> String {
+        let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+        for chunk in bytes.chunks(3) {
+            let n = (u32::from(chunk[0]) << 16)
+                | (u32::from(*chunk.get(1).unwrap_or(&0)) << 8)
+                | u32::from(*chunk.get(2).unwrap_or(&0));
+            for i in 0..4 {
+                if i <= chunk.len() {
+                    out.push(ALPHABET[(n >> (18 - 6 * i)) as usize & 63] as char);
+                } else {
+                    out.push('=');
+                }
+            }
+        }
+        out
+    }
+
+    pub fn decode(text: &str) -> Option<Vec<u8>> {
+        let mut out = Vec::with_capacity(text.len() / 4 * 3);
+        let (mut acc, mut bits) = (0u32, 0u32);
+        for c in text.bytes().filter(|c| *c != b'=') {
+            let v = ALPHABET.iter().position(|a| *a == c)? as u32;
+            acc = (acc << 6) | v;
+            bits += 6;
+            if bits >= 8 {
+                bits -= 8;
+                out.push((acc >> bits) as u8);
+                acc &= (1 << bits) - 1;
+            }
+        }
+        Some(out)
+    }
+
+    #[cfg(test)]
+    mod tests {
+        #[test]
+        fn base64_round_trips_every_length() {
+            let data: Vec<u8> = (0..=255u8).chain([0x1f, 0x8b, 0, 0xff]).collect();
+            for n in 0..data.len() {
+                assert_eq!(super::decode(&super::encode(&data[..n])).as_deref(), Some(&data[..n]));
+            }
+            assert_eq!(super::encode(b"foobar"), "Zm9vYmFy");
+            assert_eq!(super::encode(b"fo"), "Zm8=");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn status(code: u16) -> Answer {
+        Answer::error(StatusCode::from_u16(code).unwrap(), "x", "x", None)
+    }
+
+    #[test]
+    fn try_again_later_answers_are_not_final() {
+        for code in [200, 201, 400, 404, 409, 412, 413, 422, 428] {
+            assert!(status(code).is_final(), "{code}");
+        }
+        for code in [408, 425, 429, 500, 502, 503, 504] {
+            assert!(!status(code).is_final(), "{code}");
+        }
+    }
+
+    #[test]
+    fn a_record_keeps_a_body_that_is_not_text() {
+        let mut answer = status(201);
+        answer.body = Bytes::from_static(&[0x1f, 0x8b, 0x08, 0x00, 0xff]);
+        let bytes = Record::done("fp", &answer).unwrap();
+        let replayed = Record::parse(&bytes).unwrap().done.unwrap().answer();
+        assert_eq!(replayed.body, answer.body);
+        assert_eq!(replayed.status, StatusCode::CREATED);
+    }
+
+    #[test]
+    fn every_claim_is_its_own() {
+        assert_ne!(Record::pending("fp"), Record::pending("fp"));
     }
 }

@@ -6,7 +6,7 @@ mod pipeline;
 mod request;
 
 pub use self::pipeline::{Pipeline, Settings as PipelineSettings};
-pub use self::request::{BODY_READ_TIMEOUT, CONTEXT_REPLACE, IDEMPOTENCY_KEY, SESSION_TURN};
+pub use self::request::{Limits, BODY_READ_TIMEOUT, CONTEXT_REPLACE, IDEMPOTENCY_KEY, SESSION_TURN};
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -31,11 +31,17 @@ struct Inner {
     upstream: Upstream,
     pipeline: Pipeline,
     metrics: Metrics,
-    max_body: usize,
+    max_body: request::Limits,
 }
 
 impl Proxy {
-    pub fn new(routes: Routes, upstream: Upstream, pipeline: Pipeline, metrics: Metrics, max_body: usize) -> Self {
+    pub fn new(
+        routes: Routes,
+        upstream: Upstream,
+        pipeline: Pipeline,
+        metrics: Metrics,
+        max_body: request::Limits,
+    ) -> Self {
         Self {
             inner: Arc::new(Inner {
                 routes,

@@ -48,6 +48,10 @@ pub struct Settings {
     pub idempotency_ttl: Duration,
     pub history_ttl: Duration,
     pub max_batch: usize,
+    /// The store's timeout per request: an idempotency claim lives as long as its write can.
+    pub upstream_timeout: Duration,
+    /// The largest document a write may produce.
+    pub max_document_bytes: usize,
 }
 
 #[derive(Clone)]
@@ -92,6 +96,8 @@ struct QueueState {
 struct Pending {
     id: u64,
     write: WriteRequest,
+    /// The idempotency record's key and the claim it holds, when the write has a key.
+    claim: Option<(String, Bytes)>,
     deadline: Instant,
     reply: oneshot::Sender<Answer>,
 }
@@ -138,44 +144,61 @@ impl Pipeline {
             .idempotency
             .as_ref()
             .map(|i| (s.keys.idempotency(&write.session, &i.key_digest), i.fingerprint.clone()));
+        let mut claim = None;
         if let Some((key, fingerprint)) = &idem {
-            if let Some(answer) = self.claim(key, fingerprint).await {
-                return answer;
+            match self.claim(key, fingerprint).await {
+                Claim::Held(value) => claim = Some((key.clone(), value)),
+                Claim::Answered(answer) => return answer,
             }
         }
-        let answer = self.enqueue(write, deadline).await;
-        if let Some((key, _)) = &idem {
+        let answer = self.enqueue(write, deadline, claim.clone()).await;
+        if let Some((key, value)) = &claim {
             if !answer.is_final() {
-                // Not recorded: let a retry apply it.
-                let _ = s.records.delete(key).await;
+                // Not recorded: let a retry apply it. Only this request's own claim is dropped
+                // (an answer recorded meanwhile stays).
+                let _ = s
+                    .records
+                    .compare_and_set(key, value, Bytes::new(), Duration::ZERO)
+                    .await;
             }
         }
         answer
     }
 
-    /// Claims an idempotency key, or answers from its record.
-    async fn claim(&self, key: &str, fingerprint: &str) -> Option<Answer> {
+    /// How long a claim lives: as long as its write can still run (the wait for the lock,
+    /// every store round trip of every attempt, the lease's slack), plus a margin.
+    fn claim_ttl(&self) -> Duration {
         let s = &self.shared;
-        let claim_ttl = s.locks.settings().lease * 2 + s.settings.budget + Duration::from_secs(10);
+        let round_trips = 2 * (MAX_ATTEMPTS + 1);
+        s.locks.settings().lease * 2
+            + s.settings.budget
+            + s.settings.upstream_timeout * round_trips
+            + Duration::from_secs(10)
+    }
+
+    /// Claims an idempotency key (returning the claim stored), or answers from its record.
+    async fn claim(&self, key: &str, fingerprint: &str) -> Claim {
+        let s = &self.shared;
+        let claim_ttl = self.claim_ttl();
         for _ in 0..2 {
             match s.records.get(key).await {
-                Err(e) => return Some(Answer::retryable("lock_unavailable", e)),
+                Err(e) => return Claim::Answered(Answer::retryable("lock_unavailable", e)),
                 Ok(Some(bytes)) => {
                     let Some(record) = Record::parse(&bytes) else {
-                        return Some(Answer::retryable(
+                        return Claim::Answered(Answer::retryable(
                             "idempotency_record_unreadable",
                             "the idempotency record could not be read",
                         ));
                     };
                     if record.fingerprint != fingerprint {
-                        return Some(Answer::error(
+                        return Claim::Answered(Answer::error(
                             StatusCode::UNPROCESSABLE_ENTITY,
                             "idempotency_key_reused",
                             "this Idempotency-Key was used for a different request",
                             None,
                         ));
                     }
-                    return Some(match record.done {
+                    return Claim::Answered(match record.done {
                         Some(stored) => {
                             s.metrics.idempotent_replay();
                             stored.answer().with_header(
@@ -189,20 +212,23 @@ impl Pipeline {
                         ),
                     });
                 }
-                Ok(None) => match s.records.put_new(key, Record::pending(fingerprint), claim_ttl).await {
-                    Ok(true) => return None,
-                    Ok(false) => continue,
-                    Err(e) => return Some(Answer::retryable("lock_unavailable", e)),
-                },
+                Ok(None) => {
+                    let claim = Record::pending(fingerprint);
+                    match s.records.put_new(key, claim.clone(), claim_ttl).await {
+                        Ok(true) => return Claim::Held(claim),
+                        Ok(false) => continue,
+                        Err(e) => return Claim::Answered(Answer::retryable("lock_unavailable", e)),
+                    }
+                }
             }
         }
-        Some(Answer::retryable(
+        Claim::Answered(Answer::retryable(
             "request_in_progress",
             "a request with this Idempotency-Key is in progress",
         ))
     }
 
-    async fn enqueue(&self, write: WriteRequest, deadline: Instant) -> Answer {
+    async fn enqueue(&self, write: WriteRequest, deadline: Instant, claim: Option<(String, Bytes)>) -> Answer {
         let s = &self.shared;
         let lock_key = s.keys.lock(&write.session, write.turn);
         let (queue_key, protected) = match &write.action {
@@ -237,6 +263,7 @@ impl Pipeline {
             st.pending.push_back(Pending {
                 id,
                 write,
+                claim,
                 deadline,
                 reply: tx,
             });
@@ -277,6 +304,15 @@ impl Pipeline {
     }
 }
 
+/// The outcome of claiming an idempotency key.
+enum Claim {
+    /// This request holds the key: the claim's exact value, to replace or drop it later only
+    /// while it still holds.
+    Held(Bytes),
+    /// Answered from the key's record (a replay, a reuse with another payload, in progress).
+    Answered(Answer),
+}
+
 fn busy(budget: Duration) -> Answer {
     Answer::retryable(
         "session_busy",
@@ -300,12 +336,15 @@ impl Queue {
 
     /// The latest deadline among the waiting writes, answering `busy` to those already past
     /// theirs; `None` (and the leader resigns) when nothing waits.
-    fn next_deadline(&self, budget: Duration) -> Option<Instant> {
+    /// The claims of the writes answered `busy` are added to `dropped`: nothing was written
+    /// for them, and their clients may be gone.
+    fn next_deadline(&self, budget: Duration, dropped: &mut Vec<(String, Bytes)>) -> Option<Instant> {
         let mut st = lock(&self.state);
         let now = Instant::now();
         let (due, keep): (VecDeque<Pending>, VecDeque<Pending>) = st.pending.drain(..).partition(|p| p.deadline <= now);
         st.pending = keep;
         for p in due {
+            dropped.extend(p.claim);
             let _ = p.reply.send(busy(budget));
         }
         let latest = st.pending.iter().map(|p| p.deadline).max();
@@ -336,7 +375,14 @@ impl Queue {
 
 async fn lead_queue(s: Arc<Shared>, queue: Arc<Queue>, queue_key: String) {
     let fence_key = s.keys.fence_token(&queue.session);
-    while let Some(deadline) = queue.next_deadline(s.settings.budget) {
+    let mut dropped = Vec::new();
+    while let Some(deadline) = queue.next_deadline(s.settings.budget, &mut dropped) {
+        for (key, claim) in dropped.drain(..) {
+            let _ = s
+                .records
+                .compare_and_set(&key, &claim, Bytes::new(), Duration::ZERO)
+                .await;
+        }
         let gate = s.gates.entry(queue.session.clone()).or_default().clone();
         let Ok(_turn) = tokio::time::timeout_at(deadline, gate.lock_owned()).await else {
             continue;
@@ -407,20 +453,25 @@ async fn commit(s: &Shared, queue: &Queue, lease: &Lease, batch: &[Pending]) -> 
         Action::Serialize { .. } => serialize_batch(s, queue, lease, batch).await,
         Action::Delete { document, .. } => delete_batch(s, queue, lease, batch, document).await,
     };
-    records.extend(
-        batch
-            .iter()
-            .zip(&answers)
-            .filter(|(_, a)| a.is_final())
-            .filter_map(|(p, a)| {
-                let idem = p.write.idempotency.as_ref()?;
-                Some(Entry {
-                    key: s.keys.idempotency(&p.write.session, &idem.key_digest),
-                    value: Record::done(&idem.fingerprint, a)?,
-                    ttl: s.settings.idempotency_ttl,
-                })
-            }),
-    );
+    records.extend(batch.iter().zip(&answers).filter_map(|(p, a)| {
+        let idem = p.write.idempotency.as_ref()?;
+        let (key, claim) = p.claim.clone()?;
+        // A serialized write whose outcome is unknown cannot be made idempotent by turnlock
+        // (the store's own write is forwarded as is): its 504 is the answer a retry gets.
+        let unknown = matches!(p.write.action, Action::Serialize { .. }) && a.status == StatusCode::GATEWAY_TIMEOUT;
+        let value = if a.is_final() || unknown {
+            Record::done(&idem.fingerprint, a)?
+        } else {
+            // Nothing recorded: a retry may apply it (even if this client is gone).
+            Bytes::new()
+        };
+        Some(Entry {
+            key,
+            value,
+            ttl: s.settings.idempotency_ttl,
+            expect: Some(claim),
+        })
+    }));
     (answers, records)
 }
 
@@ -458,7 +509,6 @@ async fn merge_attempts(
     let mut force_slot = false;
     loop {
         attempt += 1;
-        let retry_left = attempt < MAX_ATTEMPTS && started.elapsed() < s.locks.settings().lease / 2;
         // Without ETags the document is read under its commit slot: what is read is then the
         // latest commit (or what the store holds after a change made behind turnlock's back,
         // such as a delete), and nothing is committed between this read and this write.
@@ -513,12 +563,19 @@ async fn merge_attempts(
             (Some(_), None) => Precondition::None,
         };
         let body = Bytes::from(serde_json::to_vec(&next).unwrap_or_default());
+        if body.len() > s.settings.max_document_bytes {
+            return (
+                refusals(results, &too_large_document(body.len(), s.settings.max_document_bytes)),
+                false,
+            );
+        }
         match s.upstream.put_document(path, body, &precondition, lease.fence()).await {
             Ok(etag) => {
                 records.push(Entry {
                     key: queue.scope.history(new_version),
                     value: Bytes::from(serde_json::to_vec(&Snapshot::of(&next)).unwrap_or_default()),
                     ttl: s.settings.history_ttl,
+                    expect: None,
                 });
                 let status = if current.is_none() {
                     StatusCode::CREATED
@@ -541,7 +598,8 @@ async fn merge_attempts(
                 return (answers, false);
             }
             Err(UpstreamError::PreconditionFailed) => {
-                if retry_left {
+                // Decided now, not before the write-back: a re-read must start within the lease.
+                if attempt < MAX_ATTEMPTS && started.elapsed() < s.locks.settings().lease / 2 {
                     continue;
                 }
                 return (refusals(results, &write_conflict()), false);
@@ -710,7 +768,9 @@ fn apply_batch(
             continue;
         };
         let base = match op {
-            Op::Put { base_version, .. } => bases.get(base_version),
+            Op::Put {
+                base_version: Some(v), ..
+            } => bases.get(v),
             _ => None,
         };
         match merge::apply(
@@ -747,11 +807,13 @@ async fn load_bases(
     let mut bases = HashMap::new();
     for p in batch {
         if let Action::Merge {
-            op: Op::Put { base_version, .. },
+            op: Op::Put {
+                base_version: Some(v), ..
+            },
             ..
         } = &p.write.action
         {
-            let v = *base_version;
+            let v = *v;
             if v == 0 || v > current_version || bases.contains_key(&v) {
                 continue;
             }
@@ -778,6 +840,7 @@ fn merge_refusal(s: &Shared, e: &MergeError) -> Answer {
             (StatusCode::CONFLICT, Some(json!({"current_turn": current})))
         }
         MergeError::Conflict { fields } => (StatusCode::CONFLICT, Some(json!({"fields": fields}))),
+        MergeError::MessageConflict { ids } => (StatusCode::CONFLICT, Some(json!({"message_ids": ids}))),
         MergeError::BaseUnknown { base } => (StatusCode::CONFLICT, Some(json!({"base_version": base}))),
         MergeError::VersionMismatch { current, .. } => (
             StatusCode::PRECONDITION_FAILED,
@@ -785,21 +848,46 @@ fn merge_refusal(s: &Shared, e: &MergeError) -> Answer {
         ),
         MergeError::UnknownThrough { .. } => (StatusCode::CONFLICT, None),
         MergeError::NotFound => (StatusCode::NOT_FOUND, None),
+        MergeError::VersionRequired => (StatusCode::PRECONDITION_REQUIRED, None),
     };
     Answer::error(status, e.code(), e, extra)
 }
 
+/// A write that would make the document larger than the limit: a 4xx, since a retry of it can
+/// never pass.
+fn too_large_document(size: usize, limit: usize) -> Answer {
+    Answer::error(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "document_too_large",
+        format!("the document would be {size} bytes, over the limit of {limit} bytes; nothing was written"),
+        Some(json!({"size": size, "limit": limit})),
+    )
+}
+
 fn upstream_answer(e: &UpstreamError) -> Answer {
+    if let UpstreamError::Status { status, .. } = e {
+        if *status == StatusCode::PAYLOAD_TOO_LARGE {
+            return Answer::error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "document_too_large",
+                "the context store refused the document as too large (413); nothing was written",
+                Some(json!({"upstream_status": 413})),
+            );
+        }
+    }
     let extra = match e {
         UpstreamError::Status { status, .. } => Some(json!({"upstream_status": status.as_u16()})),
         _ => None,
     };
-    let answer = Answer::error(
-        e.status(),
-        e.code(),
-        format!("{e}; nothing was written by this request"),
-        extra,
-    );
+    let message = if e.outcome_unknown() {
+        format!(
+            "{e}; the outcome is unknown: the write may have been applied. A retry with the same \
+             Idempotency-Key does not apply it twice"
+        )
+    } else {
+        format!("{e}; nothing was written by this request")
+    };
+    let answer = Answer::error(e.status(), e.code(), message, extra);
     if matches!(e, UpstreamError::FencedOut) {
         return answer.with_header(header::RETRY_AFTER, HeaderValue::from_static("1"));
     }

@@ -10,7 +10,7 @@ use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 
 use crate::http::{error, version_from_etag, Body};
-use crate::merge::{validate_messages, Op};
+use crate::merge::{assign_ids, canonical, validate_messages, KeyedIds, Op, COMPACTED_IDS};
 use crate::routes::{Kind, Mode, Route, TurnSource};
 use crate::session::{resolve_turn, turn_from_header, turn_from_json, SessionId, TurnError};
 
@@ -84,14 +84,28 @@ fn bad(code: &'static str, message: impl std::fmt::Display) -> Refusal {
     Refusal::new(StatusCode::BAD_REQUEST, code, message)
 }
 
-/// Parses and validates a write. `max_body` bounds the body, declared or streamed.
+/// The size limits of a write's body.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// Any write body.
+    pub body: usize,
+    /// A merged or replacing `PUT`, whose body is a whole document: a document the store
+    /// served can be written back.
+    pub document: usize,
+}
+
+/// Parses and validates a write. `limits` bound the body, declared or streamed.
 pub async fn parse(
     route: &Route,
     raw_session: &str,
     parts: &http::request::Parts,
     body: Incoming,
-    max_body: usize,
+    limits: Limits,
 ) -> Result<WriteRequest, Refusal> {
+    let max_body = match route.mode {
+        Mode::Merge { kind: Kind::Put, .. } => limits.body.max(limits.document),
+        _ => limits.body,
+    };
     let session = SessionId::parse(raw_session).map_err(|e| bad("invalid_session_id", e))?;
     if let Mode::Merge {
         kind: Kind::Delete,
@@ -150,15 +164,30 @@ pub async fn parse(
         Some(v) => Some(turn_from_header(v.as_bytes()).map_err(turn_refusal)?),
         None => None,
     };
-    let fingerprint = |extra: &[u8]| {
+    let fingerprint = |extra: &[u8], json: bool| {
         let mut h = Sha256::new();
         h.update(parts.method.as_str());
         h.update([0]);
-        h.update(parts.uri.path());
+        h.update(parts.uri.path_and_query().map(|p| p.as_str()).unwrap_or("/"));
         h.update([0]);
         h.update(extra);
+        // What else changes the request's meaning: the turn and precondition headers.
+        for name in [SESSION_TURN, header::IF_MATCH.as_str(), CONTEXT_REPLACE] {
+            h.update([0]);
+            if let Some(v) = parts.headers.get(name) {
+                h.update(v.as_bytes());
+            }
+        }
         h.update([0]);
-        h.update(&bytes);
+        // A JSON body is compared as JSON: the order of its keys does not matter.
+        match serde_json::from_slice::<Value>(&bytes) {
+            Ok(v) if json => {
+                let mut out = Vec::with_capacity(bytes.len());
+                canonical(&v, &mut out);
+                h.update(&out);
+            }
+            _ => h.update(&bytes),
+        }
         hex(&h.finalize())
     };
     let (turn, action, fp) = match &route.mode {
@@ -188,7 +217,7 @@ pub async fn parse(
                 headers: parts.headers.clone(),
                 body: bytes.clone(),
             };
-            (turn, action, fingerprint(b"serialize"))
+            (turn, action, fingerprint(b"serialize", json_body))
         }
         Mode::Merge { kind, document } => {
             let mut doc = parse_object(&bytes)?;
@@ -213,15 +242,25 @@ pub async fn parse(
                 .get(CONTEXT_REPLACE)
                 .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"true"));
             let if_match = parts.headers.get(header::IF_MATCH);
-            let op = build_op(*kind, doc, replace, if_match)?;
+            let allowed = turn_field(&route.turn);
+            let mut op = build_op(*kind, doc, replace, if_match, allowed.as_deref())?;
             let tag: &[u8] = if replace { b"replace" } else { b"merge" };
+            let fp = fingerprint(tag, true);
+            if let (Some(key), Op::Append { messages }) = (&idempotency_key, &mut op) {
+                // A retry of this request (same key, same payload) gets the same ids, so
+                // de-duplication absorbs it even when the first attempt's outcome was unknown.
+                assign_ids(
+                    messages,
+                    &mut KeyedIds::new(&format!("{}:{fp}", hex(&Sha256::digest(key)))),
+                );
+            }
             (
                 turn,
                 Action::Merge {
                     op,
                     document: document.render(session.as_str()),
                 },
-                fingerprint(tag),
+                fp,
             )
         }
     };
@@ -243,15 +282,11 @@ fn build_op(
     mut doc: Map<String, Value>,
     replace: bool,
     if_match: Option<&http::HeaderValue>,
+    turn_field: Option<&str>,
 ) -> Result<Op, Refusal> {
-    let parsed_if_match = match if_match {
+    let if_match = match if_match {
         None => None,
-        Some(v) => Some(
-            v.to_str()
-                .ok()
-                .and_then(version_from_etag)
-                .ok_or_else(|| bad("invalid_if_match", "If-Match must hold the version read, e.g. \"12\""))?,
-        ),
+        Some(v) => Some(parse_if_match(v)?),
     };
     Ok(match kind {
         Kind::Append => {
@@ -266,7 +301,7 @@ fn build_op(
             }
         }
         Kind::Patch => {
-            if let Some(field) = ["messages", "session", "version"]
+            if let Some(field) = ["messages", "session", "version", COMPACTED_IDS]
                 .into_iter()
                 .find(|f| doc.contains_key(*f))
             {
@@ -278,12 +313,23 @@ fn build_op(
             Op::Patch { patch: doc }
         }
         Kind::Put if replace => {
-            let Some(if_match) = parsed_if_match else {
-                return Err(Refusal::new(
-                    StatusCode::PRECONDITION_REQUIRED,
-                    "precondition_required",
-                    "a replacement (X-Context-Replace: true) needs If-Match with the version read",
-                ));
+            let if_match = match if_match {
+                None => {
+                    return Err(Refusal::new(
+                        StatusCode::PRECONDITION_REQUIRED,
+                        "precondition_required",
+                        "a replacement (X-Context-Replace: true) needs If-Match with the version read",
+                    ))
+                }
+                Some(IfMatch::Weak(_)) => {
+                    return Err(Refusal::new(
+                        StatusCode::PRECONDITION_FAILED,
+                        "version_mismatch",
+                        "If-Match is compared strongly (RFC 9110): a weak entity tag (W/\"…\") never matches",
+                    ))
+                }
+                Some(IfMatch::Any) => None,
+                Some(IfMatch::Strong(v)) => Some(v),
             };
             check_messages_field(&doc)?;
             Op::Replace { doc, if_match }
@@ -297,15 +343,20 @@ fn build_op(
                         .ok_or_else(|| bad("invalid_version", "`version` must be a non-negative integer"))?,
                 ),
             };
-            let base_version = match (body_version, parsed_if_match) {
+            let header_version = match if_match {
+                Some(IfMatch::Strong(v) | IfMatch::Weak(v)) => Some(v),
+                Some(IfMatch::Any) | None => None,
+            };
+            let base_version = match (body_version, header_version) {
                 (Some(b), Some(h)) if b != h => {
                     return Err(bad(
-                        "version_mismatch",
-                        format!("body version {b} and If-Match {h} disagree"),
+                        "versions_disagree",
+                        format!("body version {b} and If-Match {h} disagree; send the version read in both"),
                     ))
                 }
-                (Some(v), _) | (None, Some(v)) => v,
-                (None, None) => 0,
+                (Some(v), _) | (None, Some(v)) => Some(v),
+                // Only a new session is created without one (else 428, under the lock).
+                (None, None) => None,
             };
             Op::Put { doc, base_version }
         }
@@ -320,11 +371,50 @@ fn build_op(
                     ))
                 }
             };
-            Op::Compact {
-                through,
-                summary: doc.remove("summary").unwrap_or(Value::Null),
+            let summary = doc.remove("summary");
+            if let Some(field) = doc.keys().find(|k| Some(k.as_str()) != turn_field) {
+                return Err(bad(
+                    "unknown_field",
+                    format!("a compaction takes `turn`, `through` and `summary`, not `{field}`"),
+                ));
             }
+            Op::Compact { through, summary }
         }
+    })
+}
+
+/// The top-level body field the turn is read from, if any.
+fn turn_field(turn: &TurnSource) -> Option<String> {
+    match turn {
+        TurnSource::Body(pointer) => pointer
+            .trim_start_matches('/')
+            .split('/')
+            .next()
+            .filter(|s| !s.is_empty())
+            .map(|s| s.replace("~1", "/").replace("~0", "~")),
+        TurnSource::Header(_) => None,
+    }
+}
+
+/// An `If-Match` value: `*`, a strong or a weak entity tag holding a version.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum IfMatch {
+    Any,
+    Strong(u64),
+    Weak(u64),
+}
+
+fn parse_if_match(v: &http::HeaderValue) -> Result<IfMatch, Refusal> {
+    let invalid = || bad("invalid_if_match", "If-Match must hold the version read, e.g. \"12\"");
+    let raw = v.to_str().map_err(|_| invalid())?.trim();
+    if raw == "*" {
+        return Ok(IfMatch::Any);
+    }
+    let version = version_from_etag(raw).ok_or_else(invalid)?;
+    Ok(if raw.starts_with("W/") {
+        IfMatch::Weak(version)
+    } else {
+        IfMatch::Strong(version)
     })
 }
 
@@ -377,4 +467,31 @@ fn too_large(max: usize) -> Refusal {
 
 pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn if_match_is_star_strong_or_weak() {
+        let parse = |v: &'static str| parse_if_match(&http::HeaderValue::from_static(v)).ok();
+        assert_eq!(parse("*"), Some(IfMatch::Any));
+        assert_eq!(parse("\"3\""), Some(IfMatch::Strong(3)));
+        assert_eq!(parse("W/\"3\""), Some(IfMatch::Weak(3)));
+        assert_eq!(parse("\"abc\""), None);
+    }
+
+    #[test]
+    fn the_turn_field_is_the_first_segment_of_its_pointer() {
+        assert_eq!(turn_field(&TurnSource::Body("/turn".into())).as_deref(), Some("turn"));
+        assert_eq!(
+            turn_field(&TurnSource::Body("/meta/turn".into())).as_deref(),
+            Some("meta")
+        );
+        assert_eq!(
+            turn_field(&TurnSource::Header(http::HeaderName::from_static("x-turn"))),
+            None
+        );
+    }
 }

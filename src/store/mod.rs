@@ -120,7 +120,10 @@ impl Store {
         }
         let id = id.to_owned();
         let result = match *req.method() {
-            Method::GET | Method::HEAD => self.get(&id).await,
+            Method::GET | Method::HEAD => {
+                let if_none_match = req.headers().get(header::IF_NONE_MATCH).cloned();
+                self.get(&id, if_none_match.as_ref()).await
+            }
             Method::PUT => self.put(&id, req).await,
             Method::DELETE => self.delete(&id, &req).await,
             _ => Ok(error(
@@ -133,9 +136,21 @@ impl Store {
         result.unwrap_or_else(|e| error(StatusCode::SERVICE_UNAVAILABLE, "storage_unavailable", e, None))
     }
 
-    async fn get(&self, id: &str) -> Result<Response<Body>, backend::BackendError> {
+    /// A document, or `304 Not Modified` when `If-None-Match` names its current entity tag
+    /// (weak comparison, as RFC 9110 asks for GET).
+    async fn get(
+        &self,
+        id: &str,
+        if_none_match: Option<&HeaderValue>,
+    ) -> Result<Response<Body>, backend::BackendError> {
         Ok(match self.backend.get(id).await? {
             None => error(StatusCode::NOT_FOUND, "not_found", "no such session", None),
+            Some((version, _)) if self.etags && if_none_match.is_some_and(|v| none_match(v, version)) => {
+                let mut res = Response::new(crate::http::empty());
+                *res.status_mut() = StatusCode::NOT_MODIFIED;
+                res.headers_mut().insert(header::ETAG, etag_for(version));
+                res
+            }
             Some((version, body)) => self.document(StatusCode::OK, version, body),
         })
     }
@@ -241,6 +256,15 @@ impl Store {
         }
         res
     }
+}
+
+/// Whether an `If-None-Match` list names `version` (or is `*`).
+fn none_match(value: &HeaderValue, version: u64) -> bool {
+    let Ok(list) = value.to_str() else { return false };
+    list.split(',').map(str::trim).any(|tag| {
+        tag == "*"
+            || crate::http::version_from_etag(tag) == Some(version) && tag.trim_start_matches("W/").starts_with('"')
+    })
 }
 
 fn expectation(headers: &http::HeaderMap) -> Result<Expect, &'static str> {
