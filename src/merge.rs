@@ -22,8 +22,14 @@ pub const COMPACTED_IDS: &str = "compacted_ids";
 /// How many compacted ids are remembered (the oldest are forgotten first).
 pub const COMPACTED_WINDOW: usize = 1000;
 
+/// The field that tells one life of a session from the next: set when turnlock first writes a
+/// document (the fencing token of that write, which only grows per session), kept by every
+/// later write. A copy read in a previous life (before a delete) is refused, even when the
+/// store reused its version numbers.
+pub const LIFE: &str = "life";
+
 /// Fields no write may set directly: turnlock maintains them.
-const MANAGED: [&str; 4] = ["session", "version", "messages", COMPACTED_IDS];
+const MANAGED: [&str; 5] = ["session", "version", "messages", COMPACTED_IDS, LIFE];
 
 /// One write, already parsed and validated at the edge.
 #[derive(Clone, Debug, PartialEq)]
@@ -168,6 +174,8 @@ pub enum MergeError {
     NotFound,
     #[error("a merged PUT of a stored session needs the version it was based on: `version` in the body or If-Match")]
     VersionRequired,
+    #[error("this copy was read from a previous life of the session (it was deleted and created again since); read the session again and retry")]
+    PreviousLife,
 }
 
 impl MergeError {
@@ -180,6 +188,7 @@ impl MergeError {
             Self::UnknownThrough { .. } => "unknown_message",
             Self::NotFound => "session_not_found",
             Self::VersionRequired => "precondition_required",
+            Self::PreviousLife => "conflict",
         }
     }
 }
@@ -316,6 +325,7 @@ pub fn apply(
             },
             Some(cur),
         ) => {
+            check_life(cur, incoming)?;
             let Some(base_version) = base_version else {
                 return Err(MergeError::VersionRequired);
             };
@@ -368,6 +378,9 @@ pub fn apply(
             },
             cur,
         ) => {
+            if let Some(cur) = cur {
+                check_life(cur, incoming)?;
+            }
             let current_version = cur.map(version_of).unwrap_or(0);
             let matches = match if_match {
                 Some(v) => *v == current_version,
@@ -385,8 +398,10 @@ pub fn apply(
                     doc.insert(k.clone(), v.clone());
                 }
             }
-            if let Some(kept) = cur.and_then(|c| c.get(COMPACTED_IDS)) {
-                doc.insert(COMPACTED_IDS.into(), kept.clone());
+            for field in [COMPACTED_IDS, LIFE] {
+                if let Some(kept) = cur.and_then(|c| c.get(field)) {
+                    doc.insert(field.into(), kept.clone());
+                }
             }
             append_new(
                 &mut doc,
@@ -416,6 +431,16 @@ fn finish(
     next.insert("turn".into(), Value::from(new_turn));
     next.insert("version".into(), Value::from(version));
     (next, applied)
+}
+
+/// Refuses a whole-document write whose copy carries another life than the stored document's.
+/// A copy without the field (built by the client, or read before lives were recorded) is
+/// judged by its version alone.
+fn check_life(current: &Document, incoming: &Document) -> Result<(), MergeError> {
+    match incoming.get(LIFE) {
+        Some(theirs) if current.get(LIFE) != Some(theirs) => Err(MergeError::PreviousLife),
+        _ => Ok(()),
+    }
 }
 
 /// The ids of the latest compacted messages (see [`COMPACTED_WINDOW`]).

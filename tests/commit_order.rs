@@ -193,6 +193,60 @@ async fn a_put_based_on_a_previous_life_is_not_merged_into_the_next() {
     assert_eq!(message_ids(&get_doc(&direct, "life").await.json), ["new-1"]);
 }
 
+/// A copy read before a delete, PUT back once the new life has reached (or passed) the
+/// copy's version number: the version alone cannot tell the lives apart, the document's
+/// `life` does. With and without store ETags, nothing of the previous life comes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_read_before_a_delete_is_refused_when_the_new_life_reuses_its_version() {
+    let redis = RedisServer::start();
+    for (etags, store) in [(true, store().await), (false, store_without_etags().await)] {
+        let p = proxy(proxy_args(store.addr, Some(&redis))).await;
+        let (agent, direct) = (client(p.addr), client(store.addr));
+        let session = format!("reuse-{etags}");
+        for id in ["old-1", "old-2"] {
+            assert!(append(&agent, &session, 1, id).await.status.is_success());
+        }
+        let patch = json!({"turn": 2, "state": {"secret": "old-life"}});
+        let r = agent
+            .send(Method::PATCH, &format!("/v1/sessions/{session}"), Some(&patch), &[])
+            .await
+            .expect("patch");
+        assert!(r.status.is_success(), "{}", r.json);
+        let mut copy = get_doc(&agent, &session).await.json;
+        assert_eq!(copy["version"], 3);
+        let r = agent
+            .send(Method::DELETE, &format!("/v1/sessions/{session}"), None, &[])
+            .await
+            .expect("delete");
+        assert!(r.status.is_success(), "{}", r.json);
+        for id in ["new-1", "new-2", "new-3", "new-4"] {
+            assert!(append(&agent, &session, 1, id).await.status.is_success());
+            let version = get_doc(&direct, &session).await.json["version"].as_u64();
+            if version < Some(3) {
+                continue;
+            }
+            // The new life is at the copy's version or past it: the copy must be refused.
+            copy["turn"] = json!(10);
+            if let Some(list) = copy["messages"].as_array_mut() {
+                list.push(json!({"id": format!("client-{id}"), "role": "user", "content": "x"}));
+            }
+            let r = agent
+                .send(Method::PUT, &format!("/v1/sessions/{session}"), Some(&copy), &[])
+                .await
+                .expect("put");
+            assert_eq!(
+                (r.status, r.json["error"].as_str()),
+                (StatusCode::CONFLICT, Some("conflict")),
+                "etags {etags}, new life at version {version:?}: {}",
+                r.json
+            );
+        }
+        let doc = get_doc(&direct, &session).await.json;
+        assert_eq!(message_ids(&doc), ["new-1", "new-2", "new-3", "new-4"], "etags {etags}");
+        assert_eq!(doc["state"].get("secret"), None, "etags {etags}: {doc}");
+    }
+}
+
 /// Deletes racing appends through three proxies. A delete is ordered with the writes: an
 /// append sent after the last delete was answered is in the final document, one answered
 /// before the last delete was sent is not, nothing else is, and the session stays writable.

@@ -557,6 +557,8 @@ async fn merge_attempts(
         // One write-back: the whole batch is one new version, whatever it merged.
         let new_version = current_version + 1;
         next.insert("version".into(), json!(new_version));
+        // A document gets its life when turnlock first writes it (see `merge::LIFE`).
+        next.entry(merge::LIFE).or_insert_with(|| json!(lease.fence()));
         let precondition = match (&current, fetched.etag) {
             (None, _) => Precondition::Absent,
             (Some(_), Some(tag)) => Precondition::IfMatch(tag),
@@ -849,6 +851,7 @@ fn merge_refusal(s: &Shared, e: &MergeError) -> Answer {
         MergeError::UnknownThrough { .. } => (StatusCode::CONFLICT, None),
         MergeError::NotFound => (StatusCode::NOT_FOUND, None),
         MergeError::VersionRequired => (StatusCode::PRECONDITION_REQUIRED, None),
+        MergeError::PreviousLife => (StatusCode::CONFLICT, Some(json!({"fields": [merge::LIFE]}))),
     };
     Answer::error(status, e.code(), e, extra)
 }
