@@ -4,6 +4,7 @@
 //! URLs: `redis://[user:pass@]host:port[/db]` for one server, and
 //! `redis+sentinel://host:port[,host:port…]/<primary-name>[/db]` for Sentinel.
 
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -37,7 +38,21 @@ struct Inner {
     /// Serializes reconnecting, so a burst of failures opens one new connection.
     connecting: Mutex<()>,
     display: String,
+    progress: Progress,
+    /// Where failed commands are counted (by kind), once set.
+    metrics: std::sync::OnceLock<crate::metrics::Metrics>,
 }
+
+/// Notices a Redis that stopped answering without waiting for each command's timeout: while
+/// commands are outstanding, how long since the last one was sent to an idle connection or
+/// answered.
+struct Progress {
+    base: std::time::Instant,
+    in_flight: AtomicUsize,
+    since_us: AtomicU64,
+}
+
+struct Outstanding<'a>(&'a Progress);
 
 enum Source {
     Direct(Client),
@@ -47,9 +62,15 @@ enum Source {
 impl RedisConn {
     /// Parses the URL; no connection is made until the first command.
     pub fn open(url: &str, response_timeout: Duration) -> Result<Self, ConnError> {
+        // Neither the URL nor the parser's reason may carry the password into a log.
+        let shown = redact(url);
+        let secret = secret_of(url);
         let invalid = |reason: &str| ConnError::InvalidUrl {
-            url: url.to_owned(),
-            reason: reason.to_owned(),
+            url: shown.clone(),
+            reason: match secret {
+                Some(s) if !s.is_empty() => reason.replace(s, "***"),
+                _ => reason.to_owned(),
+            },
         };
         let source = if let Some(rest) = url.strip_prefix("redis+sentinel://") {
             let (hosts, path) = rest.split_once('/').ok_or_else(|| invalid("missing /<primary-name>"))?;
@@ -84,6 +105,8 @@ impl RedisConn {
                 current: std::sync::RwLock::new(None),
                 connecting: Mutex::new(()),
                 display: redact(url),
+                progress: Progress::new(),
+                metrics: std::sync::OnceLock::new(),
             }),
         })
     }
@@ -91,6 +114,17 @@ impl RedisConn {
     /// The URL with any password removed, for logs.
     pub fn display(&self) -> &str {
         &self.inner.display
+    }
+
+    /// Counts this connection's failed commands in `metrics` (`redis_errors_total{kind}`).
+    pub fn count_errors(&self, metrics: crate::metrics::Metrics) {
+        let _ = self.inner.metrics.set(metrics);
+    }
+
+    /// How long Redis has gone without answering while commands waited for it (zero when
+    /// nothing waits or the last command was answered just now).
+    pub fn stalled_for(&self) -> Duration {
+        self.inner.progress.stalled_for()
     }
 
     /// A connection to the current primary, connecting (or re-resolving it) when needed.
@@ -139,14 +173,73 @@ impl RedisConn {
         F: FnOnce(MultiplexedConnection) -> Fut,
         Fut: std::future::Future<Output = Result<T, RedisError>>,
     {
+        let _outstanding = self.inner.progress.begin();
         let conn = self.get().await?;
         let result = f(conn).await;
         if let Err(e) = &result {
+            if let Some(metrics) = self.inner.metrics.get() {
+                metrics.redis_error(error_kind(e));
+            }
             if needs_reconnect(e) {
                 self.reset().await;
             }
         }
         result
+    }
+}
+
+// === impl Progress ===
+
+impl Progress {
+    fn new() -> Self {
+        Self {
+            base: std::time::Instant::now(),
+            in_flight: AtomicUsize::new(0),
+            since_us: AtomicU64::new(0),
+        }
+    }
+
+    fn now_us(&self) -> u64 {
+        self.base.elapsed().as_micros() as u64
+    }
+
+    fn begin(&self) -> Outstanding<'_> {
+        if self.in_flight.fetch_add(1, Ordering::AcqRel) == 0 {
+            self.since_us.store(self.now_us(), Ordering::Release);
+        }
+        Outstanding(self)
+    }
+
+    fn stalled_for(&self) -> Duration {
+        if self.in_flight.load(Ordering::Acquire) == 0 {
+            return Duration::ZERO;
+        }
+        let since = self.since_us.load(Ordering::Acquire);
+        Duration::from_micros(self.now_us().saturating_sub(since))
+    }
+}
+
+impl Drop for Outstanding<'_> {
+    fn drop(&mut self) {
+        self.0.since_us.store(self.0.now_us(), Ordering::Release);
+        self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// The bounded `kind` label of a failed command.
+fn error_kind(e: &RedisError) -> &'static str {
+    if e.is_timeout() {
+        "timeout"
+    } else if e.is_connection_refusal() {
+        "refused"
+    } else if e.is_io_error() || e.is_connection_dropped() {
+        "io"
+    } else if e.to_string().contains("READONLY") {
+        "readonly"
+    } else if matches!(e.kind(), redis::ErrorKind::AuthenticationFailed) || e.to_string().contains("NOAUTH") {
+        "auth"
+    } else {
+        "server"
     }
 }
 
@@ -159,6 +252,14 @@ fn needs_reconnect(e: &RedisError) -> bool {
         || e.is_timeout()
         || matches!(e.kind(), redis::ErrorKind::Server(redis::ServerErrorKind::ReadOnly))
         || e.to_string().contains("READONLY")
+}
+
+/// The credentials part (`user:pass`) of a URL, if any.
+fn secret_of(url: &str) -> Option<&str> {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => Some(&url[s + 3..at]),
+        _ => None,
+    }
 }
 
 fn redact(url: &str) -> String {

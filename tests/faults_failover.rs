@@ -269,7 +269,7 @@ async fn sentinel_failover_with_unreplicated_grant_loses_no_update() {
     for admin in [a.admin, b.admin] {
         assert!(
             eventually(Duration::from_secs(10), Duration::from_millis(100), || async {
-                readyz(admin).await == 200
+                dependency_up(admin, "redis").await == Some(true)
             })
             .await
             .is_some(),

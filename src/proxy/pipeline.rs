@@ -239,7 +239,7 @@ impl Pipeline {
             ),
             Err(_) => {
                 if queue.withdraw(id) {
-                    busy(s.settings.budget)
+                    unanswered(&s.locks, s.settings.budget)
                 } else {
                     // Already taken into a batch under the lock: its answer is coming.
                     rx.await.unwrap_or_else(|_| {
@@ -253,6 +253,19 @@ impl Pipeline {
                 }
             }
         }
+    }
+}
+
+/// The answer to a write whose budget ran out: `lock_unavailable` when Redis left its
+/// commands unanswered all that time (a hung server is not contention), else `session_busy`.
+fn unanswered(locks: &Locks, budget: Duration) -> Answer {
+    if locks.stalled(budget / 2) {
+        Answer::retryable(
+            "lock_unavailable",
+            format!("the lock backend did not answer within {} ms", budget.as_millis()),
+        )
+    } else {
+        busy(budget)
     }
 }
 
@@ -323,7 +336,9 @@ async fn lead_queue(s: Arc<Shared>, queue: Arc<Queue>, queue_key: String) {
         match s.locks.acquire(&queue.lock_key, &fence_key, deadline, &s.metrics).await {
             Err(LockError::Busy(_)) => continue,
             Err(LockError::Backend(e)) => {
-                tracing::warn!(lock = %queue.lock_key, error = %e, "lock backend unavailable");
+                if let Some(suppressed) = crate::telemetry::warn_allowed("lock backend unavailable") {
+                    tracing::warn!(lock = %queue.lock_key, error = %e, suppressed, "lock backend unavailable");
+                }
                 queue.fail_all(&Answer::retryable(
                     "lock_unavailable",
                     format!("the lock backend is unavailable: {e}"),
@@ -356,6 +371,7 @@ async fn lead_queue(s: Arc<Shared>, queue: Arc<Queue>, queue_key: String) {
                         "partial"
                     },
                 );
+                span.in_scope(|| tracing::debug!(ok, "batch committed"));
                 // The records go before the lock: with Redis, in the release's own round trip.
                 if s.locks.carries_records() {
                     lease.release_with(&s.metrics, records).await;
@@ -540,7 +556,9 @@ async fn merge_batch(
                 if fenced && !e.outcome_unknown() {
                     let _ = s.locks.settle_version(lease, &vkey, &pkey, None).await;
                 }
-                tracing::warn!(error = %e, "write-back to the context store failed");
+                if let Some(suppressed) = crate::telemetry::warn_allowed("write-back failed") {
+                    tracing::warn!(error = %e, suppressed, "write-back to the context store failed");
+                }
                 return refusals(results, &upstream_answer(&e));
             }
         }
