@@ -300,11 +300,13 @@ fn env_var(name: &str, value: &str) -> EnvVar {
     }
 }
 
+/// Resource quantities; an empty one is left out (no limit).
 fn quantities(cpu: &str, memory: &str) -> BTreeMap<String, Quantity> {
-    BTreeMap::from([
-        ("cpu".to_owned(), Quantity(cpu.to_owned())),
-        ("memory".to_owned(), Quantity(memory.to_owned())),
-    ])
+    [("cpu", cpu), ("memory", memory)]
+        .into_iter()
+        .filter(|(_, q)| !q.is_empty())
+        .map(|(k, q)| (k.to_owned(), Quantity(q.to_owned())))
+        .collect()
 }
 
 fn to_value(c: Container) -> Result<Value, String> {
