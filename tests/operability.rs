@@ -368,3 +368,62 @@ fn health_subcommand_gives_up_before_the_image_healthcheck_does() {
     assert!(!out.status.success());
     assert!(started.elapsed() < Duration::from_secs(3), "{:?}", started.elapsed());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_write_is_logged_once_at_info_failures_warn_rate_limited_and_no_colours_in_files() {
+    let store = store().await;
+    let mut redis = RedisServer::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let log_path = dir.path().join("proxy.log");
+    let log = std::fs::File::create(&log_path).expect("log file");
+    let (port, admin) = (free_port(), free_port());
+    let child = Command::new(turnlock_bin())
+        .args([
+            "proxy",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--admin",
+            &format!("127.0.0.1:{admin}"),
+            "--upstream",
+            &format!("http://{}", store.addr),
+            "--redis",
+            &redis.url(),
+        ])
+        .env("RUST_LOG", "info")
+        .stdout(std::process::Stdio::null())
+        .stderr(log)
+        .spawn()
+        .expect("spawn proxy");
+    let proc = Proc { child };
+    wait_for_port(port, Duration::from_secs(10));
+    let client = client(SocketAddr::from(([127, 0, 0, 1], port)));
+    for turn in 1..=3u64 {
+        let r = append(&client, "logged-1", turn, &format!("m{turn}"), true, &[])
+            .await
+            .expect("write");
+        assert!(r.status.is_success());
+    }
+    redis.kill();
+    for turn in 4..=23u64 {
+        let _ = append(&client, "logged-1", turn, &format!("m{turn}"), true, &[]).await;
+    }
+    proc.signal("TERM");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    drop(proc);
+    let text = std::fs::read_to_string(&log_path).expect("read log");
+    assert!(!text.contains('\u{1b}'), "ANSI colours written to a file");
+    let writes: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("INFO") && l.contains(" write route="))
+        .filter(|l| l.contains(r#"session="logged-1""#))
+        .collect();
+    let ok = writes.iter().filter(|l| l.contains(r#"outcome="ok""#)).count();
+    let failed = writes.iter().filter(|l| l.contains("lock_unavailable")).count();
+    assert_eq!((ok, failed), (3, 20), "one info line per write:\n{text}");
+    assert!(writes.iter().all(|l| l.contains("turn=")), "{text}");
+    let warnings = text
+        .lines()
+        .filter(|l| l.contains("WARN") && l.contains("writes failing"))
+        .count();
+    assert!(warnings <= 2, "{warnings} WARN lines for 20 failing writes:\n{text}");
+}
