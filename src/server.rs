@@ -109,8 +109,11 @@ pub async fn serve_with<H, F>(
     drop(listener);
     let began = tokio::time::Instant::now();
     // Keep-alive clients that send during the linger are answered with `Connection: close`
-    // instead of finding their connection gone under a request.
-    tokio::time::sleep(linger(grace)).await;
+    // instead of finding their connection gone under a request (no wait when none is open).
+    let lingering = linger(grace);
+    while graceful.count() > 0 && began.elapsed() < lingering {
+        tokio::time::sleep(Duration::from_millis(10).min(lingering)).await;
+    }
     let left = grace.saturating_sub(began.elapsed());
     if tokio::time::timeout(left, graceful.shutdown()).await.is_err() {
         tracing::warn!(?grace, "connections still open after the grace period: closing them");
@@ -119,7 +122,8 @@ pub async fn serve_with<H, F>(
 }
 
 /// How long open connections keep being served (each answer closing its connection) after
-/// shutdown began, before idle ones are closed: a quarter of the grace, at most 500 ms.
+/// shutdown began, before idle ones are closed: a quarter of the grace, at most 500 ms (less
+/// when every connection has closed by then).
 pub fn linger(grace: Duration) -> Duration {
     (grace / 4).min(Duration::from_millis(500))
 }
