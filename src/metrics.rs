@@ -38,7 +38,8 @@ struct DependencyLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct Kind {
+struct RedisFailure {
+    op: &'static str,
     kind: &'static str,
 }
 
@@ -127,7 +128,7 @@ struct Inner {
     requests: Family<RouteStatus, Counter>,
     writes_in_flight: Gauge,
     dependency_up: Family<DependencyLabel, Gauge>,
-    redis_errors: Family<Kind, Counter>,
+    redis_errors: Family<RedisFailure, Counter>,
     process: Process,
 }
 
@@ -226,10 +227,10 @@ impl Metrics {
             "Whether a dependency (redis, store) answered its last background check",
             dependency_up.clone(),
         );
-        let redis_errors = Family::<Kind, Counter>::default();
+        let redis_errors = Family::<RedisFailure, Counter>::default();
         registry.register(
             "redis_errors",
-            "Failed Redis commands by kind (timeout, io, refused, readonly, auth, server)",
+            "Failed Redis commands by operation (try_acquire, renew, release, get, ping, …) and kind (timeout, io, refused, readonly, auth, server)",
             redis_errors.clone(),
         );
         let process = Process {
@@ -345,8 +346,8 @@ impl Metrics {
             .set(i64::from(up));
     }
 
-    pub fn redis_error(&self, kind: &'static str) {
-        self.inner.redis_errors.get_or_create(&Kind { kind }).inc();
+    pub fn redis_error(&self, op: &'static str, kind: &'static str) {
+        self.inner.redis_errors.get_or_create(&RedisFailure { op, kind }).inc();
     }
 
     /// The Prometheus text exposition.

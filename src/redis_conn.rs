@@ -168,11 +168,13 @@ impl RedisConn {
         Fut: std::future::Future<Output = Result<T, RedisError>>,
     {
         let _outstanding = self.inner.progress.begin();
-        let conn = self.get().await?;
-        let result = f(conn).await;
+        let result = match self.get().await {
+            Ok(conn) => f(conn).await,
+            Err(e) => Err(e),
+        };
         if let Err(e) = &result {
             if let Some(metrics) = self.inner.metrics.get() {
-                metrics.redis_error(error_kind(e));
+                metrics.redis_error(operation_of::<F>(), error_kind(e));
             }
             if needs_reconnect(e) {
                 self.reset().await;
@@ -218,6 +220,15 @@ impl Drop for Outstanding<'_> {
         self.0.since_us.store(self.0.now_us(), Ordering::Release);
         self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
     }
+}
+
+/// The operation a command belongs to, for the `op` label: the name of the function whose
+/// closure ran it (`try_acquire`, `renew`, `release`, `ping`, `get`, …); a bounded set, one
+/// per call site.
+fn operation_of<F>() -> &'static str {
+    let name = std::any::type_name::<F>();
+    let head = name.split("::{{closure}}").next().unwrap_or(name);
+    head.rsplit("::").next().filter(|s| !s.is_empty()).unwrap_or("other")
 }
 
 /// The bounded `kind` label of a failed command.
@@ -400,6 +411,18 @@ mod tests {
             redact("redis+sentinel://:pw@h:1/p/2?sentinel_password=spw"),
             "redis+sentinel://***@h:1/p/2?sentinel_password=***"
         );
+    }
+
+    #[test]
+    fn the_operation_of_a_command_is_the_function_that_ran_it() {
+        fn try_acquire() -> &'static str {
+            let f = |_: u8| ();
+            name_of(&f)
+        }
+        fn name_of<F>(_: &F) -> &'static str {
+            operation_of::<F>()
+        }
+        assert_eq!(try_acquire(), "try_acquire");
     }
 
     #[test]

@@ -81,6 +81,15 @@ async fn a_redis_outage_keeps_the_sidecar_ready_reads_flowing_and_shows_in_statu
     assert_eq!(refused.status, 503);
     assert_eq!(refused.json["error"], "lock_unavailable", "{}", refused.json);
     assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
+    let (_, metrics) = admin_get(proxy.admin, "/metrics").await;
+    let failures: Vec<&str> = metrics
+        .lines()
+        .filter(|l| l.starts_with("turnlock_redis_errors_total{"))
+        .collect();
+    assert!(
+        failures.iter().any(|l| l.contains(r#"op="try_acquire""#)),
+        "Redis failures not counted by operation: {failures:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
