@@ -222,7 +222,10 @@ pub fn sidecar(settings: &Settings, defaults: &WebhookArgs) -> Container {
             ..Default::default()
         }]),
         // A native sidecar (init container restarted always) starts before the agent and
-        // stops after it; its startup probe holds the agent back until the sidecar is ready.
+        // stops after it; its startup probe holds the agent back until the sidecar listens.
+        // `/readyz` never asks Redis or the store: a dependency outage neither holds new pods
+        // back, nor restarts them, nor takes running ones out of their Service (it shows in
+        // `/status` and the metrics instead).
         restart_policy: settings.native.then(|| "Always".to_owned()),
         startup_probe: Some(probe("/readyz", 1, 120)),
         readiness_probe: Some(probe("/readyz", 5, 3)),
