@@ -421,6 +421,14 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("turnlock_build_info{version="), "{text}");
+        m.upstream("get", Duration::from_secs(6));
+        let text = m.encode();
+        // A 6 s store answer (past the 5 s default timeout) lands in a finite bucket.
+        assert!(
+            text.contains(r#"turnlock_upstream_request_seconds_bucket{le="6.5536",op="get"} 1"#)
+                || text.contains(r#"turnlock_upstream_request_seconds_bucket{op="get",le="6.5536"} 1"#),
+            "{text}"
+        );
         if cfg!(target_os = "linux") {
             assert!(!text.contains("turnlock_process_resident_memory_bytes 0\n"), "{text}");
             assert!(!text.contains("turnlock_process_open_fds 0\n"), "{text}");

@@ -141,6 +141,8 @@ async fn shutdown_with_a_hung_redis_and_held_writes_ends_within_the_grace_and_sa
         relay.wait_held(8, Duration::from_secs(10)).await,
         "writes did not reach the store"
     );
+    let (_, metrics) = admin_get(proxy.admin, "/metrics").await;
+    assert!(metrics.contains("turnlock_writes_in_flight 8"), "{metrics}");
     redis.signal("STOP");
     let mut proc = proxy.proc;
     let started = Instant::now();
