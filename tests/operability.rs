@@ -438,3 +438,76 @@ async fn each_write_is_logged_once_at_info_failures_warn_rate_limited_and_no_col
         .count();
     assert!(warnings <= 2, "{warnings} WARN lines for 20 failing writes:\n{text}");
 }
+
+/// A relay in front of a real store that closes a connection idle for `idle` since its last
+/// answer, silently: the close is noticed only when the next request arrives on it, which is
+/// then neither forwarded nor answered (a store or load balancer whose FIN was lost, or that
+/// drops idle connections without closing them cleanly).
+async fn silently_closing_relay(target: SocketAddr, idle: Duration) -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let Ok(server) = tokio::net::TcpStream::connect(target).await else {
+                    return;
+                };
+                let (mut cr, mut cw) = client.into_split();
+                let (mut sr, mut sw) = server.into_split();
+                let answered: Arc<std::sync::Mutex<Option<Instant>>> = Arc::default();
+                let seen = answered.clone();
+                let back = tokio::spawn(async move {
+                    let mut buf = vec![0u8; 16 * 1024];
+                    while let Ok(n) = sr.read(&mut buf).await {
+                        if n == 0 || cw.write_all(&buf[..n]).await.is_err() {
+                            break;
+                        }
+                        *seen.lock().expect("relay state") = Some(Instant::now());
+                    }
+                });
+                let mut buf = vec![0u8; 16 * 1024];
+                while let Ok(n) = cr.read(&mut buf).await {
+                    let stale = answered
+                        .lock()
+                        .expect("relay state")
+                        .is_some_and(|t| t.elapsed() >= idle);
+                    if n == 0 || stale || sw.write_all(&buf[..n]).await.is_err() {
+                        break;
+                    }
+                }
+                back.abort();
+            });
+        }
+    });
+    addr
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_succeed_when_the_store_closes_idle_connections_silently() {
+    let store = store().await;
+    let relay = silently_closing_relay(store.addr, Duration::from_millis(50)).await;
+    let running = proxy(proxy_args(relay, None)).await;
+    let client = client(running.addr);
+    let mut statuses = Vec::new();
+    for turn in 1..=10u64 {
+        tokio::time::sleep(Duration::from_millis(80)).await;
+        let r = append(&client, "stale-write", turn, &format!("m{turn}"), true, &[])
+            .await
+            .map(|r| (r.status.as_u16(), r.json["error"].as_str().unwrap_or("").to_owned()))
+            .unwrap_or((0, String::new()));
+        statuses.push(r);
+    }
+    assert!(
+        statuses.iter().all(|(s, _)| (200..300).contains(s)),
+        "writes failed: {statuses:?}"
+    );
+    let ids = message_ids(
+        &get_doc(
+            &turnlock::client::JsonClient::new(format!("http://{}", store.addr)),
+            "stale-write",
+        )
+        .await
+        .json,
+    );
+    assert_eq!(ids.len(), 10, "{ids:?}");
+}
