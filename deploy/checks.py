@@ -223,19 +223,34 @@ def check_manifests(turnlock):
     hook = find(docs, "MutatingWebhookConfiguration")
     deployments = {d["metadata"]["name"]: d for d in find(docs, "Deployment")}
     services = {(d["metadata"]["namespace"], d["metadata"]["name"]): d for d in find(docs, "Service")}
-    if len(certs) != 1 or not hook:
-        fail("k8s/: expected one cert-manager Certificate and the MutatingWebhookConfiguration")
+    by_name = {c["metadata"]["name"]: c for c in certs}
+    if not certs or not hook:
+        fail("k8s/: expected cert-manager Certificates and the MutatingWebhookConfiguration")
         return docs
-    cert = certs[0]
+    # The caBundle comes from a CA Certificate; the serving certificate is issued by that CA
+    # (through a CA Issuer), so renewing it leaves the caBundle unchanged.
+    ca_from = hook[0]["metadata"].get("annotations", {}).get("cert-manager.io/inject-ca-from", "")
+    ca = by_name.get(ca_from.split("/", 1)[-1])
+    if ca is None or ca_from != f"{ca['metadata']['namespace']}/{ca['metadata']['name']}":
+        fail(f"webhook: cert-manager.io/inject-ca-from {ca_from} names no Certificate in k8s/")
+        return docs
+    if not ca["spec"].get("isCA"):
+        fail("webhook: cert-manager.io/inject-ca-from must name the CA Certificate (isCA: true)")
+    ca_issuers = {d["metadata"]["name"] for d in find(docs, "Issuer") if d["spec"].get("ca", {}).get("secretName") == ca["spec"].get("secretName")}
+    serving = [c for c in certs if c is not ca]
+    if len(serving) != 1:
+        fail("k8s/: expected one serving Certificate besides the CA")
+        return docs
+    cert = serving[0]
     spec = cert["spec"]
     for field in ("secretName", "dnsNames", "issuerRef"):
         if field not in spec:
             fail(f"Certificate: spec.{field} missing")
-    if spec.get("issuerRef", {}).get("name") not in issuers:
-        fail("Certificate: issuerRef names no Issuer in k8s/")
-    ca_from = hook[0]["metadata"].get("annotations", {}).get("cert-manager.io/inject-ca-from")
-    if ca_from != f"{cert['metadata']['namespace']}/{cert['metadata']['name']}":
-        fail(f"webhook: cert-manager.io/inject-ca-from {ca_from} is not the Certificate")
+    for c in certs:
+        if c["spec"].get("issuerRef", {}).get("name") not in issuers:
+            fail(f"Certificate {c['metadata']['name']}: issuerRef names no Issuer in k8s/")
+    if spec.get("issuerRef", {}).get("name") not in ca_issuers:
+        fail("Certificate: the serving certificate is not issued by the CA the caBundle holds")
     injector = deployments.get("turnlock-injector")
     if not injector:
         fail("k8s/: no turnlock-injector Deployment")

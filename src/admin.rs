@@ -1,9 +1,12 @@
-//! The admin server: `/metrics` (Prometheus text), `/healthz` (the process is up) and
-//! `/readyz` (Redis, when configured, and the store both answer; not ready while shutting
-//! down). It binds to loopback by default; there is deliberately no control endpoint.
+//! The admin server: `/metrics` (Prometheus text), `/healthz` (the process is up), `/readyz`
+//! (this sidecar can serve: not shutting down) and `/status` (readiness plus each
+//! dependency's last background check). No probe does I/O to Redis or the store. It binds to
+//! loopback by default; there is deliberately no control endpoint.
 
 use std::net::SocketAddr;
 use std::time::Duration;
+
+use crate::health::Health;
 
 use http::{Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
@@ -12,49 +15,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::http::{error, full, json, Body};
-use crate::lock::Locks;
 use crate::metrics::Metrics;
-use crate::upstream::Upstream;
-
-#[derive(Clone)]
-pub struct Readiness {
-    locks: Locks,
-    /// `None` in transparent mode, where there is no single store to ask.
-    upstream: Option<Upstream>,
-    shutdown: CancellationToken,
-}
-
-impl Readiness {
-    pub fn new(locks: Locks, upstream: Option<Upstream>, shutdown: CancellationToken) -> Self {
-        Self {
-            locks,
-            upstream,
-            shutdown,
-        }
-    }
-
-    async fn check(&self) -> (bool, serde_json::Value) {
-        if self.shutdown.is_cancelled() {
-            return (false, json!({"ready": false, "reason": "shutting down"}));
-        }
-        let (redis, upstream) = tokio::join!(
-            tokio::time::timeout(Duration::from_secs(1), self.locks.ping()),
-            tokio::time::timeout(Duration::from_secs(1), async {
-                match &self.upstream {
-                    Some(u) => u.ping().await,
-                    None => true,
-                }
-            }),
-        );
-        let redis_ok = matches!(redis, Ok(Ok(())));
-        let upstream_ok = matches!(upstream, Ok(true));
-        let ready = redis_ok && upstream_ok;
-        (
-            ready,
-            json!({"ready": ready, "lock_backend": redis_ok, "upstream": upstream_ok}),
-        )
-    }
-}
 
 /// Serves the admin endpoints. Probes (`/healthz`, `/readyz`) answer any caller the listener
 /// accepts, so a kubelet can reach them on the pod's address; `/metrics` answers loopback
@@ -62,13 +23,13 @@ impl Readiness {
 pub async fn serve(
     listener: TcpListener,
     metrics: Metrics,
-    readiness: Readiness,
+    health: Health,
     public_metrics: bool,
     stop: CancellationToken,
 ) {
     let handler = move |req: Request<Incoming>, peer: SocketAddr| {
         let metrics = metrics.clone();
-        let readiness = readiness.clone();
+        let health = health.clone();
         async move {
             if !serves(req.uri().path(), peer.ip(), public_metrics) {
                 return error(
@@ -78,7 +39,7 @@ pub async fn serve(
                     None,
                 );
             }
-            handle(req, &metrics, &readiness).await
+            handle(req, &metrics, &health)
         }
     };
     crate::server::serve(listener, handler, stop, Duration::from_secs(1)).await;
@@ -90,7 +51,7 @@ pub fn serves(path: &str, ip: std::net::IpAddr, public_metrics: bool) -> bool {
     path != "/metrics" || public_metrics || ip.to_canonical().is_loopback()
 }
 
-async fn handle(req: Request<Incoming>, metrics: &Metrics, readiness: &Readiness) -> Response<Body> {
+fn handle(req: Request<Incoming>, metrics: &Metrics, health: &Health) -> Response<Body> {
     if req.method() != Method::GET && req.method() != Method::HEAD {
         return error(
             StatusCode::METHOD_NOT_ALLOWED,
@@ -110,18 +71,24 @@ async fn handle(req: Request<Incoming>, metrics: &Metrics, readiness: &Readiness
         }
         "/healthz" | "/live" => json(StatusCode::OK, &json!({"status": "ok"})),
         "/readyz" | "/ready" => {
-            let (ready, body) = readiness.check().await;
+            let ready = health.ready();
             let status = if ready {
                 StatusCode::OK
             } else {
                 StatusCode::SERVICE_UNAVAILABLE
             };
+            let body = if ready {
+                json!({"ready": true})
+            } else {
+                json!({"ready": false, "reason": "shutting down"})
+            };
             json(status, &body)
         }
+        "/status" => json(StatusCode::OK, &health.status()),
         _ => error(
             StatusCode::NOT_FOUND,
             "not_found",
-            "admin endpoints: /metrics, /healthz, /readyz",
+            "admin endpoints: /metrics, /healthz, /readyz, /status",
             None,
         ),
     }

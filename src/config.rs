@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use clap::builder::BoolishValueParser;
 use clap::{Args, Parser, Subcommand};
 
 #[derive(Debug, Parser)]
@@ -56,7 +57,7 @@ pub struct ProxyArgs {
     #[arg(long, env = "TURNLOCK_ADMIN", default_value = "127.0.0.1:9901")]
     pub admin: SocketAddr,
     /// Serve /metrics to callers other than loopback (probes are always served).
-    #[arg(long, env = "TURNLOCK_ADMIN_PUBLIC_METRICS")]
+    #[arg(long, env = "TURNLOCK_ADMIN_PUBLIC_METRICS", value_parser = BoolishValueParser::new())]
     pub admin_public_metrics: bool,
     /// How long a write may wait for its session's lock, in milliseconds.
     #[arg(long, env = "TURNLOCK_LOCK_BUDGET_MS", default_value_t = 50)]
@@ -106,7 +107,7 @@ pub struct ProxyArgs {
     /// Transparent interception: forward each connection to its original destination
     /// (`SO_ORIGINAL_DST`, set by `turnlock init-iptables` rules) instead of `--upstream`, which
     /// then serves only connections made to the proxy directly.
-    #[arg(long, env = "TURNLOCK_TRANSPARENT")]
+    #[arg(long, env = "TURNLOCK_TRANSPARENT", value_parser = BoolishValueParser::new())]
     pub transparent: bool,
     /// How long a session's Redis keys (fencing counter, turn marks) outlive its last write,
     /// in seconds. A session written again after that starts from what the store holds.
@@ -116,6 +117,14 @@ pub struct ProxyArgs {
     /// document) may be this large even when it is over --max-body-bytes.
     #[arg(long, env = "TURNLOCK_MAX_DOCUMENT_BYTES", default_value_t = 8 * 1024 * 1024)]
     pub max_document_bytes: usize,
+    /// Most connections open to the store at once; a request past the cap waits (within
+    /// `--upstream-timeout-ms`) for one to come back.
+    #[arg(long, env = "TURNLOCK_UPSTREAM_MAX_CONNECTIONS", default_value_t = 256)]
+    pub upstream_max_connections: usize,
+    /// How long an idle connection to the store is kept open, in milliseconds. Keep it below
+    /// the store's (or its load balancer's) own idle timeout.
+    #[arg(long, env = "TURNLOCK_UPSTREAM_IDLE_TIMEOUT_MS", default_value_t = 30_000)]
+    pub upstream_idle_timeout_ms: u64,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -130,12 +139,12 @@ pub struct StoreArgs {
     #[arg(long, env = "TURNLOCK_MAX_BODY_BYTES", default_value_t = 8 * 1024 * 1024)]
     pub max_body_bytes: usize,
     /// Behave like a store without conditional writes: no ETag, If-Match ignored.
-    #[arg(long, env = "TURNLOCK_NO_ETAGS")]
+    #[arg(long, env = "TURNLOCK_NO_ETAGS", value_parser = BoolishValueParser::new())]
     pub no_etags: bool,
     /// Refuse a write whose X-Fencing-Token is lower than one already stored for the document
     /// (409 stale_fencing_token): the store-side check that stops a paused lock holder even
     /// without conditional writes. Only with one shared Redis behind every proxy.
-    #[arg(long, env = "TURNLOCK_ENFORCE_FENCING")]
+    #[arg(long, env = "TURNLOCK_ENFORCE_FENCING", value_parser = BoolishValueParser::new())]
     pub enforce_fencing: bool,
     #[arg(long, env = "TURNLOCK_SHUTDOWN_GRACE_MS", default_value_t = 5_000)]
     pub shutdown_grace_ms: u64,
@@ -183,6 +192,16 @@ pub struct BenchArgs {
     pub only: Vec<String>,
 }
 
+/// Longest lock lease accepted: a lease is renewed while held, so a longer one only delays
+/// recovery from a crashed holder.
+pub const MAX_LOCK_TTL_MS: u64 = 600_000;
+/// Longest a write may wait for its lock.
+pub const MAX_LOCK_BUDGET_MS: u64 = 60_000;
+/// Longest record or snapshot lifetime (Redis rejects expiries that overflow).
+pub const MAX_TTL_SECS: u64 = 365 * 24 * 3600;
+/// Longest Redis, store or shutdown timeout.
+pub const MAX_TIMEOUT_MS: u64 = 600_000;
+
 /// Bad configuration: reported with a clear message and exit code 64 (EX_USAGE).
 #[derive(Debug, thiserror::Error)]
 #[error("configuration error: {0}")]
@@ -197,8 +216,35 @@ impl ProxyArgs {
         if self.session_ttl_secs == 0 || self.session_ttl_secs > MAX_SESSION_TTL_SECS {
             return err("--session-ttl-secs must be between 1 and 315360000 (ten years)");
         }
-        if self.lock_ttl_ms < 10 {
-            return err("--lock-ttl-ms must be at least 10");
+        if !(10..=MAX_LOCK_TTL_MS).contains(&self.lock_ttl_ms) {
+            return err("--lock-ttl-ms must be between 10 and 600000 (ten minutes)");
+        }
+        if self.lock_budget_ms > MAX_LOCK_BUDGET_MS {
+            return err("--lock-budget-ms must be at most 60000");
+        }
+        if self.idempotency_ttl_secs == 0 || self.idempotency_ttl_secs > MAX_TTL_SECS {
+            return err("--idempotency-ttl-secs must be between 1 and 31536000 (one year)");
+        }
+        if self.history_ttl_secs == 0 || self.history_ttl_secs > MAX_TTL_SECS {
+            return err("--history-ttl-secs must be between 1 and 31536000 (one year)");
+        }
+        if self.redis_timeout_ms == 0 || self.redis_timeout_ms > MAX_TIMEOUT_MS {
+            return err("--redis-timeout-ms must be between 1 and 600000");
+        }
+        if self.upstream_timeout_ms == 0 || self.upstream_timeout_ms > MAX_TIMEOUT_MS {
+            return err("--upstream-timeout-ms must be between 1 and 600000");
+        }
+        if self.redis_wait_timeout_ms > MAX_TIMEOUT_MS {
+            return err("--redis-wait-timeout-ms must be at most 600000");
+        }
+        if self.upstream_max_connections == 0 || self.upstream_max_connections > 65_536 {
+            return err("--upstream-max-connections must be between 1 and 65536");
+        }
+        if self.upstream_idle_timeout_ms == 0 || self.upstream_idle_timeout_ms > MAX_TIMEOUT_MS {
+            return err("--upstream-idle-timeout-ms must be between 1 and 600000");
+        }
+        if self.shutdown_grace_ms > MAX_TIMEOUT_MS {
+            return err("--shutdown-grace-ms must be at most 600000");
         }
         if self.redis_wait_replicas > 0 && (self.redis.is_none() || self.redis_wait_timeout_ms == 0) {
             return err("--redis-wait-replicas needs --redis and a positive --redis-wait-timeout-ms");
@@ -250,6 +296,8 @@ impl ProxyArgs {
             transparent: false,
             session_ttl_secs: 7 * 24 * 3600,
             max_document_bytes: 8 * 1024 * 1024,
+            upstream_max_connections: 256,
+            upstream_idle_timeout_ms: 30_000,
         }
     }
 }

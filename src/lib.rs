@@ -11,7 +11,8 @@
 //! - [`upstream`]: the HTTP client to the context store.
 //! - [`proxy`]: the agent-facing service: request parsing, the write pipeline with
 //!   coalescing, and pass-through forwarding.
-//! - [`admin`]: `/metrics`, `/healthz`, `/readyz`.
+//! - [`admin`]: `/metrics`, `/healthz`, `/readyz`, `/status`.
+//! - [`health`]: dependency health checked in the background (probes never wait on it).
 //! - [`sidecar`]: assembling and running the proxy, with graceful shutdown.
 //! - [`transparent`]: `init-iptables` and forwarding to each connection's original
 //!   destination, for agents whose store URL cannot be changed.
@@ -27,6 +28,7 @@ pub mod bench;
 pub mod client;
 pub mod config;
 pub mod demo;
+pub mod health;
 pub mod http;
 pub mod inject;
 pub mod lock;

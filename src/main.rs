@@ -8,16 +8,38 @@ use turnlock::config::{Cli, Command, ConfigError};
 
 /// Exit code for bad configuration (EX_USAGE).
 const EXIT_USAGE: u8 = 64;
+/// How long `turnlock health` waits for the admin server (the image HEALTHCHECK allows 3 s).
+const HEALTH_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+/// Exit code of a proxy whose shutdown ran out of grace: writes were abandoned unanswered or
+/// locks were left to expire (EX_SOFTWARE).
+const EXIT_UNCLEAN: u8 = 70;
+/// Exit code after a second SIGTERM/SIGINT cut the shutdown short (128 + SIGINT).
+const EXIT_FORCED: i32 = 130;
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            // Help and version are not errors; a bad argument is a usage error (64), like
+            // every other configuration problem.
+            let _ = e.print();
+            return if e.use_stderr() {
+                ExitCode::from(EXIT_USAGE)
+            } else {
+                ExitCode::SUCCESS
+            };
+        }
+    };
     // The demo prints a table; its in-process servers only log problems.
     let default_level = if matches!(cli.command, Command::Demo(_)) {
         "error"
     } else {
         "info"
     };
-    turnlock::telemetry::init(default_level);
+    if let Err(e) = turnlock::telemetry::init(default_level) {
+        eprintln!("turnlock: configuration error: {e}");
+        return ExitCode::from(EXIT_USAGE);
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
@@ -39,8 +61,12 @@ async fn run(command: Command) -> Result<ExitCode, ConfigError> {
         Command::Proxy(args) => {
             let running = turnlock::sidecar::start(args).await?;
             on_signal(running.shutdown_token());
-            running.wait().await;
-            Ok(ExitCode::SUCCESS)
+            let outcome = running.wait().await;
+            Ok(if outcome.clean() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(EXIT_UNCLEAN)
+            })
         }
         Command::Store(args) => {
             let running = turnlock::store::start(args).await?;
@@ -90,14 +116,23 @@ async fn run(command: Command) -> Result<ExitCode, ConfigError> {
         },
         Command::Health(args) => {
             let client = turnlock::client::JsonClient::new(format!("http://{}", args.admin));
-            match client.send(http::Method::GET, "/readyz", None, &[]).await {
-                Ok(r) if r.status.is_success() => Ok(ExitCode::SUCCESS),
-                Ok(r) => {
+            // Within the image HEALTHCHECK's own 3 s timeout, so the check reports why.
+            let asked = client.send(http::Method::GET, "/readyz", None, &[]);
+            match tokio::time::timeout(HEALTH_TIMEOUT, asked).await {
+                Ok(Ok(r)) if r.status.is_success() => Ok(ExitCode::SUCCESS),
+                Ok(Ok(r)) => {
                     eprintln!("not ready: {}", r.json);
                     Ok(ExitCode::FAILURE)
                 }
-                Err(e) => {
+                Ok(Err(e)) => {
                     eprintln!("admin server unreachable at {}: {e}", args.admin);
+                    Ok(ExitCode::FAILURE)
+                }
+                Err(_) => {
+                    eprintln!(
+                        "admin server at {} did not answer within {HEALTH_TIMEOUT:?}",
+                        args.admin
+                    );
                     Ok(ExitCode::FAILURE)
                 }
             }
@@ -105,28 +140,59 @@ async fn run(command: Command) -> Result<ExitCode, ConfigError> {
     }
 }
 
-/// Cancels `token` on SIGTERM or SIGINT.
+/// Cancels `token` on SIGTERM or SIGINT; a second one exits at once ([`EXIT_FORCED`]).
 fn on_signal(token: CancellationToken) {
     tokio::spawn(async move {
-        let ctrl_c = tokio::signal::ctrl_c();
-        #[cfg(unix)]
-        {
-            let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(s) => s,
-                Err(_) => {
-                    let _ = ctrl_c.await;
-                    token.cancel();
-                    return;
+        let mut signals = match Signals::new() {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot watch for SIGTERM; only SIGINT stops the process");
+                Signals::Interrupt
+            }
+        };
+        signals.next().await;
+        tracing::info!("shutting down: not ready, no new connections; finishing in-flight requests and writes");
+        token.cancel();
+        signals.next().await;
+        tracing::warn!("second signal: exiting now; locks still held expire after their lease");
+        std::process::exit(EXIT_FORCED);
+    });
+}
+
+/// SIGTERM and SIGINT (SIGINT only where SIGTERM cannot be watched).
+enum Signals {
+    #[cfg(unix)]
+    Both(tokio::signal::unix::Signal, tokio::signal::unix::Signal),
+    Interrupt,
+}
+
+impl Signals {
+    #[cfg(unix)]
+    fn new() -> std::io::Result<Self> {
+        use tokio::signal::unix::{signal, SignalKind};
+        Ok(Self::Both(
+            signal(SignalKind::terminate())?,
+            signal(SignalKind::interrupt())?,
+        ))
+    }
+
+    #[cfg(not(unix))]
+    fn new() -> std::io::Result<Self> {
+        Ok(Self::Interrupt)
+    }
+
+    async fn next(&mut self) {
+        match self {
+            #[cfg(unix)]
+            Self::Both(term, int) => {
+                tokio::select! {
+                    _ = term.recv() => {},
+                    _ = int.recv() => {},
                 }
-            };
-            tokio::select! {
-                _ = ctrl_c => {},
-                _ = term.recv() => {},
+            }
+            Self::Interrupt => {
+                let _ = tokio::signal::ctrl_c().await;
             }
         }
-        #[cfg(not(unix))]
-        let _ = ctrl_c.await;
-        tracing::info!("shutting down: no new connections; finishing in-flight writes");
-        token.cancel();
-    });
+    }
 }

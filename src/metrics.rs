@@ -1,5 +1,7 @@
 //! Prometheus metrics: every lock point is visible (wait, outcome, hold, renewals), plus
-//! stale rejections, idempotent replays, coalescing, upstream latency and requests.
+//! stale rejections, idempotent replays, coalescing, upstream latency and answers, requests
+//! by route, status and error code, writes in flight, dependency health, Redis errors, the
+//! process (memory, descriptors, CPU) and the build.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -7,6 +9,7 @@ use std::time::Duration;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
@@ -19,6 +22,84 @@ struct Outcome {
 struct RouteStatus {
     route: &'static str,
     status: u16,
+    /// The answer's error code (one of [`ERROR_CODES`], `other`), empty on success.
+    error: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OpStatus {
+    op: &'static str,
+    status: u16,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DependencyLabel {
+    dependency: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RedisFailure {
+    op: &'static str,
+    kind: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Build {
+    version: &'static str,
+}
+
+/// Every error code an agent can be answered with: the bounded values of the `error` label.
+pub const ERROR_CODES: &[&str] = &[
+    "body_read_failed",
+    "body_timeout",
+    "body_too_large",
+    "conflict",
+    "fenced_out",
+    "forbidden_field",
+    "idempotency_key_reused",
+    "idempotency_record_unreadable",
+    "internal",
+    "invalid_body",
+    "invalid_idempotency_key",
+    "invalid_if_match",
+    "invalid_messages",
+    "invalid_path",
+    "invalid_session_id",
+    "invalid_through",
+    "invalid_turn",
+    "invalid_version",
+    "lease_lost",
+    "lock_unavailable",
+    "malformed_json",
+    "method_not_allowed",
+    "missing_turn",
+    "not_found",
+    "precondition_required",
+    "request_in_progress",
+    "session_busy",
+    "session_not_found",
+    "stale_turn",
+    "too_many_destinations",
+    "turn_mismatch",
+    "unknown_message",
+    "unsupported_media_type",
+    "upstream_conflict",
+    "upstream_error",
+    "upstream_invalid_document",
+    "upstream_timeout",
+    "upstream_unavailable",
+    "version_mismatch",
+    "write_conflict",
+];
+
+/// The error code of an answer, carried as a response extension so the request counter can
+/// label it without reading the body.
+#[derive(Clone, Copy, Debug)]
+pub struct ErrorCode(pub &'static str);
+
+/// The `error` label for a code: itself when known, `other` otherwise (labels stay bounded).
+pub fn error_label(code: &str) -> &'static str {
+    ERROR_CODES.iter().find(|c| **c == code).copied().unwrap_or("other")
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -42,11 +123,25 @@ struct Inner {
     replays: Counter,
     batch_size: Histogram,
     upstream: Family<Op, Histogram>,
+    upstream_responses: Family<OpStatus, Counter>,
+    upstream_retries: Counter,
     requests: Family<RouteStatus, Counter>,
+    writes_in_flight: Gauge,
+    dependency_up: Family<DependencyLabel, Gauge>,
+    redis_errors: Family<RedisFailure, Counter>,
+    process: Process,
 }
 
+/// Gauges of the process itself, refreshed at each scrape from `/proc/self`.
+struct Process {
+    resident: Gauge,
+    fds: Gauge,
+    cpu_ms: Counter,
+}
+
+/// 100 µs to 13 s: past the default lease (2 s) and store timeout (5 s).
 fn seconds_buckets() -> impl Iterator<Item = f64> {
-    exponential_buckets(0.000_05, 2.0, 16)
+    exponential_buckets(0.000_1, 2.0, 18)
 }
 
 impl Default for Metrics {
@@ -102,8 +197,65 @@ impl Metrics {
             "Upstream request latency by operation",
             upstream.clone(),
         );
+        let upstream_responses = Family::<OpStatus, Counter>::default();
+        registry.register(
+            "upstream_responses",
+            "Store answers by operation (get, put, forward) and HTTP status; status 0 = no answer",
+            upstream_responses.clone(),
+        );
+        let upstream_retries = Counter::default();
+        registry.register(
+            "upstream_retries",
+            "Safe store requests sent again on a fresh connection after a closed one failed",
+            upstream_retries.clone(),
+        );
         let requests = Family::<RouteStatus, Counter>::default();
-        registry.register("requests", "Agent requests by route and status", requests.clone());
+        registry.register(
+            "requests",
+            "Agent requests by route, status and error code (empty on success)",
+            requests.clone(),
+        );
+        let writes_in_flight = Gauge::default();
+        registry.register(
+            "writes_in_flight",
+            "Writes received and not yet answered",
+            writes_in_flight.clone(),
+        );
+        let dependency_up = Family::<DependencyLabel, Gauge>::default();
+        registry.register(
+            "dependency_up",
+            "Whether a dependency (redis, store) answered its last background check",
+            dependency_up.clone(),
+        );
+        let redis_errors = Family::<RedisFailure, Counter>::default();
+        registry.register(
+            "redis_errors",
+            "Failed Redis commands by operation (try_acquire, renew, release, get, ping, …) and kind (timeout, io, refused, readonly, auth, server)",
+            redis_errors.clone(),
+        );
+        let process = Process {
+            resident: Gauge::default(),
+            fds: Gauge::default(),
+            cpu_ms: Counter::default(),
+        };
+        registry.register(
+            "process_resident_memory_bytes",
+            "Resident memory of the process",
+            process.resident.clone(),
+        );
+        registry.register("process_open_fds", "Open file descriptors", process.fds.clone());
+        registry.register(
+            "process_cpu_milliseconds",
+            "CPU time used by the process (user + system)",
+            process.cpu_ms.clone(),
+        );
+        let build = Family::<Build, Gauge>::default();
+        build
+            .get_or_create(&Build {
+                version: env!("CARGO_PKG_VERSION"),
+            })
+            .set(1);
+        registry.register("build_info", "The running version (always 1)", build);
         Self {
             inner: Arc::new(Inner {
                 registry,
@@ -115,7 +267,13 @@ impl Metrics {
                 replays,
                 batch_size,
                 upstream,
+                upstream_responses,
+                upstream_retries,
                 requests,
+                writes_in_flight,
+                dependency_up,
+                redis_errors,
+                process,
             }),
         }
     }
@@ -153,16 +311,127 @@ impl Metrics {
             .observe(took.as_secs_f64());
     }
 
-    pub fn request(&self, route: &'static str, status: u16) {
-        self.inner.requests.get_or_create(&RouteStatus { route, status }).inc();
+    /// One answered agent request; `code` is the answer's error code (empty on success).
+    pub fn request(&self, route: &'static str, status: u16, code: &str) {
+        let error = if code.is_empty() { "" } else { error_label(code) };
+        self.inner
+            .requests
+            .get_or_create(&RouteStatus { route, status, error })
+            .inc();
+    }
+
+    /// One store answer (`status` 0 when none came).
+    pub fn upstream_response(&self, op: &'static str, status: u16) {
+        self.inner
+            .upstream_responses
+            .get_or_create(&OpStatus { op, status })
+            .inc();
+    }
+
+    /// A store request sent again on a fresh connection.
+    pub fn upstream_retry(&self) {
+        self.inner.upstream_retries.inc();
+    }
+
+    /// Counts a write from its arrival until it is answered (also when its client goes away).
+    pub fn write_in_flight(&self) -> InFlight {
+        self.inner.writes_in_flight.inc();
+        InFlight(self.inner.writes_in_flight.clone())
+    }
+
+    pub fn dependency_up(&self, dependency: &'static str, up: bool) {
+        self.inner
+            .dependency_up
+            .get_or_create(&DependencyLabel { dependency })
+            .set(i64::from(up));
+    }
+
+    pub fn redis_error(&self, op: &'static str, kind: &'static str) {
+        self.inner.redis_errors.get_or_create(&RedisFailure { op, kind }).inc();
     }
 
     /// The Prometheus text exposition.
     pub fn encode(&self) -> String {
+        self.inner.process.refresh();
         let mut out = String::new();
         if prometheus_client::encoding::text::encode(&mut out, &self.inner.registry).is_err() {
             out.clear();
         }
         out
+    }
+}
+
+/// Decrements the in-flight writes gauge when dropped.
+pub struct InFlight(Gauge);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
+// === impl Process ===
+
+impl Process {
+    /// Reads `/proc/self` (Linux); elsewhere the gauges stay at zero.
+    fn refresh(&self) {
+        if let Ok(status) = std::fs::read_to_string("/proc/self/status") {
+            let rss_kb = status
+                .lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<i64>().ok());
+            if let Some(kb) = rss_kb {
+                self.resident.set(kb * 1024);
+            }
+        }
+        if let Ok(dir) = std::fs::read_dir("/proc/self/fd") {
+            self.fds.set(dir.count() as i64);
+        }
+        if let Ok(stat) = std::fs::read_to_string("/proc/self/stat") {
+            // Fields after the command name (which may hold spaces): utime is the 14th
+            // field, stime the 15th, in clock ticks (100 per second on Linux).
+            let fields: Vec<&str> = stat
+                .rsplit_once(')')
+                .map(|(_, rest)| rest.split_whitespace().collect())
+                .unwrap_or_default();
+            let ticks = |i: usize| fields.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+            let ms = (ticks(11) + ticks(12)) * 10;
+            let seen = self.cpu_ms.get();
+            if ms > seen {
+                self.cpu_ms.inc_by(ms - seen);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_labels_are_bounded_and_process_metrics_are_filled() {
+        assert_eq!(error_label("session_busy"), "session_busy");
+        assert_eq!(error_label("lock_unavailable"), "lock_unavailable");
+        assert_eq!(error_label("anything a store says"), "other");
+        let m = Metrics::new();
+        m.request("append", 503, "session_busy");
+        let text = m.encode();
+        assert!(
+            text.contains(r#"turnlock_requests_total{route="append",status="503",error="session_busy"} 1"#),
+            "{text}"
+        );
+        assert!(text.contains("turnlock_build_info{version="), "{text}");
+        m.upstream("get", Duration::from_secs(6));
+        let text = m.encode();
+        // A 6 s store answer (past the 5 s default timeout) lands in a finite bucket.
+        assert!(
+            text.contains(r#"turnlock_upstream_request_seconds_bucket{le="6.5536",op="get"} 1"#)
+                || text.contains(r#"turnlock_upstream_request_seconds_bucket{op="get",le="6.5536"} 1"#),
+            "{text}"
+        );
+        if cfg!(target_os = "linux") {
+            assert!(!text.contains("turnlock_process_resident_memory_bytes 0\n"), "{text}");
+            assert!(!text.contains("turnlock_process_open_fds 0\n"), "{text}");
+        }
     }
 }

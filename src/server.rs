@@ -34,7 +34,8 @@ pub struct Conn {
 }
 
 /// Serves `handler` on `listener` until `shutdown` fires, then stops accepting and gives open
-/// connections `grace` to finish their requests.
+/// connections `grace` to finish their requests (answers then carry `Connection: close`);
+/// connections still open after it are closed.
 pub async fn serve<H, F>(listener: TcpListener, handler: H, shutdown: CancellationToken, grace: Duration)
 where
     H: Fn(Request<Incoming>, SocketAddr) -> F + Clone + Send + Sync + 'static,
@@ -65,6 +66,8 @@ pub async fn serve_with<H, F>(
         .max_buf_size(MAX_HEAD_BYTES)
         .keep_alive(true);
     let graceful = GracefulShutdown::new();
+    // Cancels the connections still open when the grace runs out.
+    let hard_stop = CancellationToken::new();
     loop {
         let Some((stream, peer)) = accept(&listener, &shutdown).await else {
             break;
@@ -79,22 +82,56 @@ pub async fn serve_with<H, F>(
             },
         };
         let handler = handler.clone();
+        let draining = shutdown.clone();
         let service = hyper::service::service_fn(move |req| {
             let handler = handler.clone();
-            async move { Ok::<_, std::convert::Infallible>(handler(req, conn).await) }
+            let draining = draining.clone();
+            async move {
+                let mut res = handler(req, conn).await;
+                if draining.is_cancelled() {
+                    close_after(&mut res);
+                }
+                Ok::<_, std::convert::Infallible>(res)
+            }
         });
         let conn = builder.serve_connection(TokioIo::new(stream), service);
         let conn = graceful.watch(conn);
+        let hard = hard_stop.clone();
         tokio::spawn(async move {
-            if let Err(error) = conn.await {
-                tracing::debug!(%error, %peer, "connection ended with an error");
+            tokio::select! {
+                ended = conn => if let Err(error) = ended {
+                    tracing::debug!(%error, %peer, "connection ended with an error");
+                },
+                _ = hard.cancelled() => {}
             }
         });
     }
     drop(listener);
-    if tokio::time::timeout(grace, graceful.shutdown()).await.is_err() {
-        tracing::warn!(?grace, "connections still open after the grace period; closing them");
+    let began = tokio::time::Instant::now();
+    // Keep-alive clients that send during the linger are answered with `Connection: close`
+    // instead of finding their connection gone under a request (no wait when none is open).
+    let lingering = linger(grace);
+    while graceful.count() > 0 && began.elapsed() < lingering {
+        tokio::time::sleep(Duration::from_millis(10).min(lingering)).await;
     }
+    let left = grace.saturating_sub(began.elapsed());
+    if tokio::time::timeout(left, graceful.shutdown()).await.is_err() {
+        tracing::warn!(?grace, "connections still open after the grace period: closing them");
+    }
+    hard_stop.cancel();
+}
+
+/// How long open connections keep being served (each answer closing its connection) after
+/// shutdown began, before idle ones are closed: a quarter of the grace, at most 500 ms (less
+/// when every connection has closed by then).
+pub fn linger(grace: Duration) -> Duration {
+    (grace / 4).min(Duration::from_millis(500))
+}
+
+/// Marks a response as the connection's last.
+fn close_after(res: &mut Response<Body>) {
+    res.headers_mut()
+        .insert(http::header::CONNECTION, http::HeaderValue::from_static("close"));
 }
 
 /// A server running on its own task: its address, and how to stop it.

@@ -2,13 +2,15 @@
 //! shutdown sequence (stop accepting, drain in-flight writes, release held locks).
 
 use std::net::SocketAddr;
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use crate::admin::{self, Readiness};
+use crate::admin;
 use crate::config::{ConfigError, ProxyArgs};
+use crate::health::Health;
 use crate::lock::{LockSettings, Locks, MemoryLocks, RedisLocks};
 use crate::metrics::Metrics;
 use crate::proxy::{Pipeline, PipelineSettings, Proxy};
@@ -17,7 +19,7 @@ use crate::redis_conn::RedisConn;
 use crate::routes::Routes;
 use crate::session::Keys;
 use crate::transparent::Destinations;
-use crate::upstream::Upstream;
+use crate::upstream::{PoolSettings, Upstream};
 
 /// A running sidecar: the agent-facing server, and what tests and the admin side look at.
 pub struct Running {
@@ -26,6 +28,7 @@ pub struct Running {
     pub metrics: Metrics,
     pub locks: Locks,
     serving: crate::server::Serving,
+    outcome: Arc<std::sync::Mutex<ShutdownOutcome>>,
 }
 
 impl Running {
@@ -38,9 +41,11 @@ impl Running {
         self.serving.shutdown_token()
     }
 
-    /// Waits until the sidecar has stopped (after its shutdown token fired).
-    pub async fn wait(self) {
-        self.serving.wait().await
+    /// Waits until the sidecar has stopped (after its shutdown token fired); says what the
+    /// shutdown left undone.
+    pub async fn wait(self) -> ShutdownOutcome {
+        self.serving.wait().await;
+        self.outcome.lock().map(|o| *o).unwrap_or_default()
     }
 }
 
@@ -58,6 +63,7 @@ pub async fn start(args: ProxyArgs) -> Result<Running, ConfigError> {
         Some(url) => {
             let conn = RedisConn::open(url, Duration::from_millis(args.redis_timeout_ms))
                 .map_err(|e| ConfigError(e.to_string()))?;
+            conn.count_errors(metrics.clone());
             tracing::info!(redis = conn.display(), "locks, fences and idempotency records in Redis");
             let mut locks = RedisLocks::new(conn.clone(), keys.clone(), settings, metrics.clone());
             if args.redis_wait_replicas > 0 {
@@ -98,6 +104,10 @@ pub async fn start(args: ProxyArgs) -> Result<Running, ConfigError> {
             max_document_bytes: args.max_document_bytes,
         },
         upstream_timeout: Duration::from_millis(args.upstream_timeout_ms),
+        pool: PoolSettings {
+            max_connections: args.upstream_max_connections,
+            idle_timeout: Duration::from_millis(args.upstream_idle_timeout_ms),
+        },
         max_body: crate::proxy::Limits {
             body: args.max_body_bytes,
             document: args.max_document_bytes,
@@ -118,21 +128,29 @@ pub async fn start(args: ProxyArgs) -> Result<Running, ConfigError> {
     let shutdown = CancellationToken::new();
     let grace = Duration::from_millis(args.shutdown_grace_ms);
     // In transparent mode each connection names its own store: readiness asks only Redis.
-    let readiness = Readiness::new(locks.clone(), (!args.transparent).then_some(upstream), shutdown.clone());
+    let health = Health::new(!args.transparent, shutdown.clone());
     let destinations = Destinations::new(factory, proxy, addr);
     let transparent = args.transparent;
     let admin_stop = CancellationToken::new();
+    health.spawn_checks(
+        locks.clone(),
+        (!args.transparent).then_some(upstream),
+        metrics.clone(),
+        admin_stop.clone(),
+    );
     let admin_task = tokio::spawn(admin::serve(
         admin_listener,
         metrics.clone(),
-        readiness,
+        health,
         args.admin_public_metrics,
         admin_stop.clone(),
     ));
 
+    let outcome = Arc::new(std::sync::Mutex::new(ShutdownOutcome::default()));
     let task = {
         let shutdown = shutdown.clone();
         let locks = locks.clone();
+        let outcome = outcome.clone();
         tokio::spawn(async move {
             let handler = {
                 let destinations = destinations.clone();
@@ -141,18 +159,25 @@ pub async fn start(args: ProxyArgs) -> Result<Running, ConfigError> {
                     async move { destinations.handle(req, conn).await }
                 }
             };
-            crate::server::serve_with(listener, handler, transparent, shutdown.clone(), grace).await;
-            // Connections are closed; writes already under a lock finish (bounded by the grace).
-            if tokio::time::timeout(grace, destinations.drain()).await.is_err() {
-                tracing::warn!("writes still in flight after the grace period");
-            }
-            let released = locks.release_all().await;
-            if released > 0 {
-                tracing::info!(released, "released locks still held at shutdown");
+            let serving = crate::server::serve_with(listener, handler, transparent, shutdown.clone(), grace);
+            let began = async {
+                shutdown.cancelled().await;
+                Instant::now()
+            };
+            let ((), began) = tokio::join!(serving, began);
+            let result = finish_shutdown(&destinations, &locks, began + grace).await;
+            if let Ok(mut o) = outcome.lock() {
+                *o = result;
             }
             admin_stop.cancel();
-            let _ = admin_task.await;
-            tracing::info!("stopped");
+            // The admin server's own drain must not stretch the total past the grace.
+            let _ = tokio::time::timeout(ADMIN_STOP, admin_task).await;
+            tracing::info!(
+                abandoned_writes = result.abandoned_writes,
+                locks_left = result.locks_left,
+                took_ms = began.elapsed().as_millis() as u64,
+                "stopped"
+            );
         })
     };
     tracing::info!(%addr, admin = %admin_addr, upstream = %args.upstream, transparent, "turnlock proxy listening");
@@ -162,7 +187,52 @@ pub async fn start(args: ProxyArgs) -> Result<Running, ConfigError> {
         metrics,
         locks,
         serving: crate::server::Serving::new(addr, shutdown, task),
+        outcome,
     })
+}
+
+/// How long the shutdown may spend giving back locks after the grace, when writes ran to it.
+const RELEASE_FLOOR: Duration = Duration::from_millis(300);
+/// How long the admin server gets to close once everything else has stopped.
+const ADMIN_STOP: Duration = Duration::from_millis(100);
+
+/// What a shutdown left undone.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ShutdownOutcome {
+    /// Writes still running when the grace ran out (their agents got no answer).
+    pub abandoned_writes: bool,
+    /// Locks not given back (they expire after their lease).
+    pub locks_left: usize,
+}
+
+impl ShutdownOutcome {
+    pub fn clean(&self) -> bool {
+        !self.abandoned_writes && self.locks_left == 0
+    }
+}
+
+/// Drains in-flight writes until `deadline`, then gives back the locks still held, within
+/// what is left of the grace (at least [`RELEASE_FLOOR`]).
+async fn finish_shutdown(destinations: &Destinations, locks: &Locks, deadline: Instant) -> ShutdownOutcome {
+    let abandoned_writes = tokio::time::timeout_at(deadline.into(), destinations.drain())
+        .await
+        .is_err();
+    if abandoned_writes {
+        tracing::warn!("writes still in flight when the grace period ran out: abandoned");
+    }
+    let budget = deadline.saturating_duration_since(Instant::now()).max(RELEASE_FLOOR);
+    match tokio::time::timeout(budget, locks.release_all()).await {
+        Ok(released) if released > 0 => tracing::info!(released, "released locks still held at shutdown"),
+        Ok(_) => {}
+        Err(_) => tracing::warn!(
+            left = locks.held_count(),
+            "could not release every lock in time: the rest expire after their lease"
+        ),
+    }
+    ShutdownOutcome {
+        abandoned_writes,
+        locks_left: locks.held_count(),
+    }
 }
 
 fn spawn_sweeper(locks: std::sync::Arc<MemoryLocks>, records: Records) {
@@ -186,12 +256,13 @@ pub(crate) struct ProxyFactory {
     metrics: Metrics,
     settings: PipelineSettings,
     upstream_timeout: Duration,
+    pool: PoolSettings,
     max_body: crate::proxy::Limits,
 }
 
 impl ProxyFactory {
     pub(crate) fn upstream(&self, url: &str) -> Result<Upstream, String> {
-        Upstream::new(url, self.upstream_timeout, self.metrics.clone())
+        Upstream::with_pool(url, self.upstream_timeout, self.pool, self.metrics.clone())
     }
 
     pub(crate) fn proxy(&self, upstream: Upstream) -> Proxy {

@@ -1,20 +1,99 @@
 //! Logging: human-readable by default, JSON with `TURNLOCK_LOG_FORMAT=json`, level from
-//! `RUST_LOG` (default `info`).
+//! `RUST_LOG` (default `info`). Colours only when stderr is a terminal. An invalid `RUST_LOG`
+//! is refused rather than silently replaced.
+
+use std::collections::HashMap;
+use std::io::IsTerminal;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use tracing_subscriber::EnvFilter;
 
 pub const LOG_FORMAT: &str = "TURNLOCK_LOG_FORMAT";
 
+/// `RUST_LOG` did not parse as a filter.
+#[derive(Debug, thiserror::Error)]
+#[error("invalid RUST_LOG {value:?}: {reason}")]
+pub struct BadFilter {
+    value: String,
+    reason: String,
+}
+
+/// The filter from `RUST_LOG`, or `default` when it is unset or empty.
+pub fn filter(rust_log: Option<&str>, default: &str) -> Result<EnvFilter, BadFilter> {
+    match rust_log.map(str::trim).filter(|v| !v.is_empty()) {
+        None => Ok(EnvFilter::new(default)),
+        Some(value) => EnvFilter::builder().parse(value).map_err(|e| BadFilter {
+            value: value.to_owned(),
+            reason: e.to_string(),
+        }),
+    }
+}
+
 /// Installs the global subscriber; `default` is the level used when `RUST_LOG` is unset.
-pub fn init(default: &str) {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
+pub fn init(default: &str) -> Result<(), BadFilter> {
+    let rust_log = std::env::var(EnvFilter::DEFAULT_ENV).ok();
+    let filter = filter(rust_log.as_deref(), default)?;
     let json = std::env::var(LOG_FORMAT).is_ok_and(|v| v.eq_ignore_ascii_case("json"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr);
     let _ = if json {
         builder.json().with_current_span(true).try_init()
     } else {
         builder.try_init()
     };
+    Ok(())
+}
+
+/// How often one kind of repeated warning is logged.
+pub const WARN_EVERY: Duration = Duration::from_secs(10);
+
+static THROTTLE: Mutex<Option<HashMap<&'static str, (Instant, u64)>>> = Mutex::new(None);
+
+/// Rate-limits a repeated warning: `Some(n)` when the warning `what` may be logged now, with
+/// `n` the times it was held back since it last was; `None` (counted) within [`WARN_EVERY`]
+/// of the last one. An outage is then a few lines, not one per failing request.
+pub fn warn_allowed(what: &'static str) -> Option<u64> {
+    let mut guard = THROTTLE.lock().unwrap_or_else(|p| p.into_inner());
+    let map = guard.get_or_insert_with(HashMap::new);
+    let now = Instant::now();
+    match map.get_mut(what) {
+        Some((last, held)) if now.duration_since(*last) < WARN_EVERY => {
+            *held += 1;
+            None
+        }
+        Some((last, held)) => {
+            let n = *held;
+            *last = now;
+            *held = 0;
+            Some(n)
+        }
+        None => {
+            map.insert(what, (now, 0));
+            Some(0)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{filter, warn_allowed};
+
+    #[test]
+    fn a_repeated_warning_is_logged_once_per_period_with_the_count_held_back() {
+        assert_eq!(warn_allowed("test warning"), Some(0));
+        assert_eq!(warn_allowed("test warning"), None);
+        assert_eq!(warn_allowed("test warning"), None);
+        assert_eq!(warn_allowed("another warning"), Some(0));
+    }
+
+    #[test]
+    fn a_filter_that_does_not_parse_is_refused_and_unset_means_the_default() {
+        assert!(filter(None, "info").is_ok());
+        assert!(filter(Some(""), "info").is_ok());
+        assert!(filter(Some("turnlock=debug,warn"), "info").is_ok());
+        assert!(filter(Some("turnlock=loud"), "info").is_err());
+    }
 }

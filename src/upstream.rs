@@ -1,5 +1,15 @@
 //! The context store behind the sidecar: a pooled keep-alive HTTP client, the document read
 //! and the conditional write-back, and plain forwarding for everything else.
+//!
+//! Connection hygiene: the pool is capped ([`pool`]) and idle connections are closed after the
+//! idle timeout by a background timer. A store (or a load balancer) may close an idle
+//! keep-alive connection without saying so; a request that finds such a connection fails
+//! before any answer, and what is safe to send twice is sent again on a fresh connection:
+//! bodiless GET/HEAD/OPTIONS (turnlock's own document read included). A write-back that was
+//! never written to a connection is retried by the client itself; one that may have been
+//! sent is not (its outcome is unknown).
+
+mod pool;
 
 use std::time::Duration;
 
@@ -10,7 +20,7 @@ use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
 use tokio::time::Instant;
 
 use crate::http::{full, Body};
@@ -83,9 +93,29 @@ pub struct Fetched {
     pub etag: Option<HeaderValue>,
 }
 
+/// The connection pool's limits.
+#[derive(Clone, Copy, Debug)]
+pub struct PoolSettings {
+    /// Most connections open to the store at once.
+    pub max_connections: usize,
+    /// How long an idle connection is kept before it is closed.
+    pub idle_timeout: Duration,
+}
+
+impl Default for PoolSettings {
+    fn default() -> Self {
+        Self {
+            max_connections: 256,
+            idle_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
 #[derive(Clone)]
 pub struct Upstream {
-    client: Client<HttpConnector, Body>,
+    client: Client<pool::CappedConnector, Body>,
+    /// The same connector without keeping idle connections: a retry gets a fresh one.
+    fresh: Client<pool::CappedConnector, Body>,
     scheme: http::uri::Scheme,
     authority: http::uri::Authority,
     base_path: String,
@@ -95,6 +125,11 @@ pub struct Upstream {
 
 impl Upstream {
     pub fn new(base: &str, timeout: Duration, metrics: Metrics) -> Result<Self, String> {
+        Self::with_pool(base, timeout, PoolSettings::default(), metrics)
+    }
+
+    /// Like [`Upstream::new`], with the pool's limits.
+    pub fn with_pool(base: &str, timeout: Duration, pool: PoolSettings, metrics: Metrics) -> Result<Self, String> {
         let uri: Uri = base
             .parse()
             .map_err(|e| format!("invalid upstream URL {base:?}: {e}"))?;
@@ -114,12 +149,18 @@ impl Upstream {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(timeout));
+        let connector = pool::CappedConnector::new(connector, pool.max_connections);
         let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(30))
-            .pool_max_idle_per_host(256)
+            .pool_timer(TokioTimer::new())
+            .pool_idle_timeout(pool.idle_timeout)
+            .pool_max_idle_per_host(pool.max_connections)
+            .build(connector.clone());
+        let fresh = Client::builder(TokioExecutor::new())
+            .pool_max_idle_per_host(0)
             .build(connector);
         Ok(Self {
             client,
+            fresh,
             scheme,
             authority,
             base_path: uri.path().trim_end_matches('/').to_owned(),
@@ -139,8 +180,49 @@ impl Upstream {
 
     /// Sends a request, waiting at most the timeout for the response head. The body streams.
     pub async fn send(&self, req: Request<Body>) -> Result<Response<Incoming>, UpstreamError> {
-        match tokio::time::timeout(self.timeout, self.client.request(req)).await {
-            Err(_) => Err(UpstreamError::Timeout(self.timeout)),
+        Self::timed(&self.client, self.timeout, req).await
+    }
+
+    /// Like [`Upstream::send`], and a bodiless GET, HEAD or OPTIONS that failed without any
+    /// answer (a connection the store had closed) is sent once more on a fresh connection.
+    pub async fn send_safe(&self, req: Request<Body>) -> Result<Response<Incoming>, UpstreamError> {
+        let Some(again) = repeatable(&req) else {
+            return self.send(req).await;
+        };
+        let started = Instant::now();
+        match self.send(req).await {
+            Err(UpstreamError::Unreachable(first)) => {
+                let left = self.timeout.saturating_sub(started.elapsed());
+                if left.is_zero() {
+                    return Err(UpstreamError::Unreachable(first));
+                }
+                tracing::debug!(error = %first, "store connection failed before an answer; retrying on a fresh one");
+                self.metrics.upstream_retry();
+                Self::timed(&self.fresh, left, again).await
+            }
+            other => other,
+        }
+    }
+
+    /// Forwards an agent's request ([`Upstream::send_safe`]), counting the store's answer.
+    pub async fn forward(&self, req: Request<Body>) -> Result<Response<Incoming>, UpstreamError> {
+        let res = self.send_safe(req).await;
+        self.answered("forward", &res);
+        res
+    }
+
+    fn answered(&self, op: &'static str, res: &Result<Response<Incoming>, UpstreamError>) {
+        let status = res.as_ref().map_or(0, |r| r.status().as_u16());
+        self.metrics.upstream_response(op, status);
+    }
+
+    async fn timed(
+        client: &Client<pool::CappedConnector, Body>,
+        timeout: Duration,
+        req: Request<Body>,
+    ) -> Result<Response<Incoming>, UpstreamError> {
+        match tokio::time::timeout(timeout, client.request(req)).await {
+            Err(_) => Err(UpstreamError::Timeout(timeout)),
             Ok(Err(e)) => Err(UpstreamError::Unreachable(error_chain(&e))),
             Ok(Ok(res)) => Ok(res),
         }
@@ -155,7 +237,8 @@ impl Upstream {
             .header(header::ACCEPT, "application/json")
             .body(crate::http::empty())
             .map_err(|e| UpstreamError::Unreachable(e.to_string()))?;
-        let res = self.send(req).await;
+        let res = self.send_safe(req).await;
+        self.answered("get", &res);
         let result = match res {
             Err(e) => Err(e),
             Ok(res) if res.status() == StatusCode::NOT_FOUND => {
@@ -210,7 +293,9 @@ impl Upstream {
         let req = req
             .body(full(doc))
             .map_err(|e| UpstreamError::Unreachable(e.to_string()))?;
-        let result = match self.send(req).await {
+        let res = self.send(req).await;
+        self.answered("put", &res);
+        let result = match res {
             Err(e) => Err(e),
             Ok(res) if res.status().is_success() => {
                 let etag = res.headers().get(header::ETAG).cloned();
@@ -263,6 +348,23 @@ impl Upstream {
             Err(_) => false,
         }
     }
+}
+
+/// A copy of a request that is safe to send twice (no body, a safe method), to send again.
+fn repeatable(req: &Request<Body>) -> Option<Request<Body>> {
+    use http_body::Body as _;
+    let safe = matches!(*req.method(), Method::GET | Method::HEAD | Method::OPTIONS);
+    if !safe || req.body().size_hint().exact() != Some(0) {
+        return None;
+    }
+    let mut again = Request::builder()
+        .method(req.method().clone())
+        .uri(req.uri().clone())
+        .version(req.version())
+        .body(crate::http::empty())
+        .ok()?;
+    *again.headers_mut() = req.headers().clone();
+    Some(again)
 }
 
 /// Whether a store's 409 says the write's fencing token was older than one already stored

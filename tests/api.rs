@@ -761,53 +761,68 @@ async fn serialize_routes_forward_unchanged_under_the_lock_after_the_stale_check
 }
 
 #[tokio::test]
-async fn readiness_follows_the_upstream_and_redis() {
+async fn readiness_stays_through_dependency_outages_and_status_shows_them() {
     let mut redis = RedisServer::start();
     let store = store().await;
     let proxy = proxy(proxy_args(store.addr, Some(&redis))).await;
     let admin = client(proxy.admin);
-    assert_eq!(
-        admin
-            .send(Method::GET, "/healthz", None, &[])
-            .await
-            .expect("healthz")
-            .status,
-        StatusCode::OK
-    );
-    assert_eq!(
-        admin
-            .send(Method::GET, "/readyz", None, &[])
-            .await
-            .expect("readyz")
-            .status,
-        StatusCode::OK
-    );
-    redis.kill();
-    let r = admin.send(Method::GET, "/readyz", None, &[]).await.expect("readyz");
-    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE);
-    assert_eq!(r.json["lock_backend"], false);
-    redis.restart();
-    let mut ready = false;
+    let get = |path: &'static str| {
+        let admin = admin.clone();
+        async move { admin.send(Method::GET, path, None, &[]).await.expect(path) }
+    };
+    assert_eq!(get("/healthz").await.status, StatusCode::OK);
+    assert_eq!(get("/readyz").await.status, StatusCode::OK);
+    let up = |status: &serde_json::Value, dep: &str| status["dependencies"][dep]["up"].as_bool();
+    let mut seen = None;
     for _ in 0..50 {
-        if admin
-            .send(Method::GET, "/readyz", None, &[])
-            .await
-            .expect("readyz")
-            .status
-            == StatusCode::OK
-        {
-            ready = true;
+        let s = get("/status").await.json;
+        if up(&s, "redis") == Some(true) && up(&s, "store") == Some(true) {
+            seen = Some(s);
             break;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert!(ready, "not ready again after Redis came back");
+    assert!(seen.is_some(), "/status never showed both dependencies up");
+    redis.kill();
+    let mut down = false;
+    for _ in 0..50 {
+        assert_eq!(
+            get("/readyz").await.status,
+            StatusCode::OK,
+            "not ready because Redis is down"
+        );
+        if up(&get("/status").await.json, "redis") == Some(false) {
+            down = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(down, "/status never showed Redis down");
+    redis.restart();
+    let mut back = false;
+    for _ in 0..50 {
+        if up(&get("/status").await.json, "redis") == Some(true) {
+            back = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(back, "/status did not show Redis back");
     store.stop().await;
-    let r = admin.send(Method::GET, "/readyz", None, &[]).await.expect("readyz");
-    assert_eq!(
-        (r.status, r.json["upstream"].as_bool()),
-        (StatusCode::SERVICE_UNAVAILABLE, Some(false))
-    );
+    let mut store_down = false;
+    for _ in 0..50 {
+        assert_eq!(
+            get("/readyz").await.status,
+            StatusCode::OK,
+            "not ready because the store is down"
+        );
+        if up(&get("/status").await.json, "store") == Some(false) {
+            store_down = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(store_down, "/status never showed the store down");
 }
 
 #[tokio::test]

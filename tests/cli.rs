@@ -71,3 +71,74 @@ fn health_subcommand_reports_readiness() {
         .expect("health");
     assert!(up.status.success(), "{}", String::from_utf8_lossy(&up.stderr));
 }
+
+#[test]
+fn values_that_would_break_writes_are_refused_with_64_and_no_secret() {
+    let secret = "s3cr3t-pa55";
+    let bad_url = format!("redis://user:{secret}@127.0.0.1:notaport/0");
+    let unknown_scheme = format!("mysql://user:{secret}@db:3306");
+    for (args, needle) in [
+        (vec!["proxy", "--idempotency-ttl-secs", "0"], "--idempotency-ttl-secs"),
+        (vec!["proxy", "--history-ttl-secs", "0"], "--history-ttl-secs"),
+        (vec!["proxy", "--redis-timeout-ms", "0"], "--redis-timeout-ms"),
+        (vec!["proxy", "--upstream-timeout-ms", "0"], "--upstream-timeout-ms"),
+        (vec!["proxy", "--lock-ttl-ms", "18446744073709551615"], "--lock-ttl-ms"),
+        (vec!["proxy", "--lock-budget-ms", "999999999"], "--lock-budget-ms"),
+        (
+            vec!["proxy", "--upstream-max-connections", "0"],
+            "--upstream-max-connections",
+        ),
+        (vec!["proxy", "--lock-ttl-ms", "lots"], "invalid value"),
+        (vec!["proxy", "--no-such-flag"], "unexpected argument"),
+        (vec!["proxy", "--redis", &bad_url], "invalid Redis URL"),
+        (vec!["proxy", "--redis", &unknown_scheme], "expected redis://"),
+    ] {
+        let out = Command::new(turnlock_bin()).args(&args).output().expect("run turnlock");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(64), "{args:?}: {stderr}");
+        assert!(stderr.contains(needle), "{args:?}: {stderr:?} lacks {needle:?}");
+        assert!(!stderr.contains(secret), "{args:?} printed the password: {stderr}");
+    }
+    let help = Command::new(turnlock_bin()).arg("--help").output().expect("help");
+    assert_eq!(help.status.code(), Some(0));
+}
+
+#[test]
+fn an_invalid_rust_log_is_refused_and_boolean_env_vars_take_1_and_0() {
+    let out = Command::new(turnlock_bin())
+        .args(["proxy", "--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0"])
+        .env("RUST_LOG", "turnlock=loud")
+        .output()
+        .expect("run turnlock");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(64), "{stderr}");
+    assert!(stderr.contains("RUST_LOG"), "{stderr}");
+
+    // A boolean env var set to 1 is accepted: the proxy starts (and is stopped).
+    let (port, admin) = (free_port(), free_port());
+    let store_port = free_port();
+    let mut proc = Proc::spawn(&["store", "--listen", &format!("127.0.0.1:{store_port}")]);
+    wait_for_port(store_port, Duration::from_secs(10));
+    let child = Command::new(turnlock_bin())
+        .args([
+            "proxy",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--admin",
+            &format!("127.0.0.1:{admin}"),
+            "--upstream",
+            &format!("http://127.0.0.1:{store_port}"),
+        ])
+        .env("TURNLOCK_ADMIN_PUBLIC_METRICS", "1")
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn proxy");
+    let mut proxy = Proc { child };
+    wait_for_port(admin, Duration::from_secs(10));
+    proxy.signal("TERM");
+    let status = proxy.child.wait().expect("wait");
+    assert_eq!(status.code(), Some(0));
+    let _ = proc.child.kill();
+}

@@ -234,8 +234,8 @@ async fn crashed_holder_locks_are_taken_over_after_the_lease() {
     b.stop().await;
 }
 
-/// Fault 3: Redis restarts (empty) under load: writes fail cleanly while it is down, `/readyz`
-/// says not ready, and the proxies recover on their own once it is back.
+/// Fault 3: Redis restarts (empty) under load: writes fail cleanly while it is down, `/status`
+/// shows it (the sidecar stays ready), and the proxies recover on their own once it is back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_restart_fails_writes_cleanly_and_recovers() {
     let mut redis = RedisServer::start();
@@ -257,10 +257,11 @@ async fn redis_restart_fails_writes_cleanly_and_recovers() {
 
     redis.kill();
     let not_ready = eventually(Duration::from_secs(10), Duration::from_millis(50), || async {
-        readyz(p1.admin).await == 503 && readyz(p2.admin).await == 503
+        dependency_up(p1.admin, "redis").await == Some(false) && dependency_up(p2.admin, "redis").await == Some(false)
     })
     .await;
-    assert!(not_ready.is_some(), "/readyz still ready with Redis down");
+    assert!(not_ready.is_some(), "/status does not show Redis down");
+    assert_eq!((readyz(p1.admin).await, readyz(p2.admin).await), (200, 200));
     for (i, c) in [&c1, &c2].into_iter().enumerate() {
         let r = append(c, &all[0], 1_000, &format!("restart-probe-{i}"), true, &[])
             .await
@@ -282,7 +283,8 @@ async fn redis_restart_fails_writes_cleanly_and_recovers() {
             let token = format!("restart-recovered-{i}-{}", rand::random::<u32>());
             ok &= matches!(append(c, &s, 1, &token, true, &[]).await, Ok(r) if r.status.is_success());
         }
-        ok && readyz(p1.admin).await == 200 && readyz(p2.admin).await == 200
+        ok && dependency_up(p1.admin, "redis").await == Some(true)
+            && dependency_up(p2.admin, "redis").await == Some(true)
     })
     .await;
     assert!(recovered.is_some(), "the proxies did not recover after Redis came back");
@@ -326,10 +328,14 @@ async fn network_cut_to_redis_fails_writes_cleanly_and_recovers() {
     for (n, link) in [Link::Blackhole, Link::Refuse].into_iter().enumerate() {
         relay.set_link(link);
         let not_ready = eventually(Duration::from_secs(10), Duration::from_millis(50), || async {
-            readyz(p1.admin).await == 503
+            dependency_up(p1.admin, "redis").await == Some(false)
         })
         .await;
-        assert!(not_ready.is_some(), "/readyz still ready with the link {link:?}");
+        assert!(
+            not_ready.is_some(),
+            "/status does not show Redis down with the link {link:?}"
+        );
+        assert_eq!(readyz(p1.admin).await, 200, "a Redis outage made the sidecar not ready");
         let r = append(&c1, &all[0], 1_000, &format!("netcut-probe-{n}"), true, &[])
             .await
             .expect("the proxy answers while cut off");
@@ -339,13 +345,13 @@ async fn network_cut_to_redis_fails_writes_cleanly_and_recovers() {
             r.status
         );
         // The other proxy is not affected.
-        assert_eq!(readyz(p2.admin).await, 200);
+        assert_eq!(dependency_up(p2.admin, "redis").await, Some(true));
         tokio::time::sleep(Duration::from_secs(1)).await;
         relay.set_link(Link::Pass);
         let recovered = eventually(Duration::from_secs(20), Duration::from_millis(50), || async {
             let token = format!("netcut-recovered-{n}-{}", rand::random::<u32>());
             matches!(append(&c1, "netcut-recovery", 1, &token, true, &[]).await, Ok(r) if r.status.is_success())
-                && readyz(p1.admin).await == 200
+                && dependency_up(p1.admin, "redis").await == Some(true)
         })
         .await;
         assert!(recovered.is_some(), "no recovery after the {link:?} ended");

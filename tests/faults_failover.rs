@@ -29,6 +29,11 @@ struct Sentinel {
 
 impl Sentinel {
     fn start(primary_port: u16) -> Self {
+        Self::start_with(primary_port, "")
+    }
+
+    /// With extra configuration lines (credentials).
+    fn start_with(primary_port: u16, extra: &str) -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
         let port = free_port();
         let conf = dir.path().join("sentinel.conf");
@@ -39,7 +44,7 @@ impl Sentinel {
                  sentinel monitor {PRIMARY_NAME} 127.0.0.1 {primary_port} 1\n\
                  sentinel down-after-milliseconds {PRIMARY_NAME} 400\n\
                  sentinel failover-timeout {PRIMARY_NAME} 3000\n\
-                 sentinel parallel-syncs {PRIMARY_NAME} 1\n",
+                 sentinel parallel-syncs {PRIMARY_NAME} 1\n{extra}",
                 dir.path().display()
             ),
         )
@@ -269,7 +274,7 @@ async fn sentinel_failover_with_unreplicated_grant_loses_no_update() {
     for admin in [a.admin, b.admin] {
         assert!(
             eventually(Duration::from_secs(10), Duration::from_millis(100), || async {
-                readyz(admin).await == 200
+                dependency_up(admin, "redis").await == Some(true)
             })
             .await
             .is_some(),
@@ -279,4 +284,53 @@ async fn sentinel_failover_with_unreplicated_grant_loses_no_update() {
     a.stop().await;
     b.stop().await;
     w.stop().await;
+}
+
+/// A password-protected primary behind a password-protected Sentinel: the URL's credentials
+/// and `/db` go to the primary, the query's to the Sentinel; wrong credentials show in
+/// `/status` with the reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sentinel_with_auth_reaches_the_protected_primary_and_its_database() {
+    let primary = RedisServer::start_with(&["--requirepass", "primary-pw"]);
+    let sentinel = Sentinel::start_with(
+        primary.port,
+        &format!("sentinel auth-pass {PRIMARY_NAME} primary-pw\nrequirepass sentinel-pw\n"),
+    );
+    let store = store().await;
+    let url = format!(
+        "redis+sentinel://:primary-pw@127.0.0.1:{}/{PRIMARY_NAME}/2?sentinel_password=sentinel-pw",
+        sentinel.port
+    );
+    let proxy = ProxyProc::spawn(&format!("http://{}", store.addr), &url, &[]);
+    let client = proxy.client();
+    let written = eventually(Duration::from_secs(10), Duration::from_millis(100), || async {
+        matches!(append(&client, "auth-1", 1, "m1", true, &[]).await, Ok(r) if r.status.is_success())
+    })
+    .await;
+    assert!(written.is_some(), "no write went through Sentinel with AUTH");
+    let db2 = redis::Client::open(format!("redis://:primary-pw@127.0.0.1:{}/2", primary.port)).expect("url");
+    let mut conn = db2.get_connection().expect("connect to db 2");
+    let keys: Vec<String> = redis::cmd("KEYS").arg("turnlock:*").query(&mut conn).expect("KEYS");
+    assert!(!keys.is_empty(), "nothing written to database 2");
+
+    let wrong = format!(
+        "redis+sentinel://:wrong-pw@127.0.0.1:{}/{PRIMARY_NAME}?sentinel_password=sentinel-pw",
+        sentinel.port
+    );
+    let refused = ProxyProc::spawn(&format!("http://{}", store.addr), &wrong, &[]);
+    let said = eventually(Duration::from_secs(10), Duration::from_millis(100), || async {
+        let c = turnlock::client::JsonClient::new(format!("http://{}", refused.admin));
+        match c.send(http::Method::GET, "/status", None, &[]).await {
+            Ok(r) => {
+                let dep = &r.json["dependencies"]["redis"];
+                dep["up"] == false
+                    && dep["error"]
+                        .as_str()
+                        .is_some_and(|e| !e.is_empty() && !e.contains("wrong-pw"))
+            }
+            Err(_) => false,
+        }
+    })
+    .await;
+    assert!(said.is_some(), "/status does not say why Redis is unusable");
 }

@@ -300,6 +300,10 @@ async fn opted_in_pod_gets_a_native_sidecar_that_the_agent_waits_for() {
         .and_then(|r| r.limits.as_ref())
         .expect("limits");
     assert_eq!(limits["memory"].0, "96Mi");
+    assert!(
+        !limits.contains_key("cpu"),
+        "a CPU limit invites throttling: {limits:?}"
+    );
     assert!(sidecar.resources.as_ref().and_then(|r| r.requests.as_ref()).is_some());
 
     assert_eq!(spec.containers.len(), 1, "the sidecar is not also a regular container");
@@ -636,4 +640,56 @@ fn certs_command_writes_a_chain_that_verifies_for_the_service() {
             now
         )
         .is_err());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_shutdown_the_webhook_drains_answering_reviews_while_not_ready() {
+    let hook = Webhook::start(|a| a.drain_ms = 1500).await;
+    let review = pod_review(pod(json!({a::INJECT: "true"})));
+    assert!(hook.review("/inject", &review).await["patch"].is_string());
+    hook.running.shutdown_token().cancel();
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    let (status, _) = hook.send(http::Method::GET, "/readyz", Vec::new()).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "ready while draining");
+    assert!(
+        hook.review("/inject", &review).await["patch"].is_string(),
+        "a review during the drain was not answered"
+    );
+    let (status, _) = hook.send(http::Method::GET, "/metrics", Vec::new()).await;
+    assert_eq!(status, StatusCode::OK);
+    tokio::time::sleep(std::time::Duration::from_millis(1800)).await;
+    assert!(
+        TcpStream::connect(hook.running.addr).await.is_err(),
+        "still accepting after the drain"
+    );
+}
+
+#[tokio::test]
+async fn the_webhook_counts_reviews_by_outcome() {
+    let hook = Webhook::start(|_| {}).await;
+    hook.review("/inject", &pod_review(pod(json!({a::INJECT: "true"}))))
+        .await;
+    hook.review("/inject", &pod_review(pod(json!({})))).await;
+    let tcp = TcpStream::connect(hook.running.addr).await.expect("connect");
+    let name = ServerName::try_from(SERVICE_DNS).expect("server name");
+    let tls = hook.connector.connect(name, tcp).await.expect("TLS handshake");
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
+        .await
+        .expect("HTTP handshake");
+    tokio::spawn(conn);
+    let req = Request::builder()
+        .uri("/metrics")
+        .header(http::header::HOST, SERVICE_DNS)
+        .body(Full::new(Bytes::new()))
+        .expect("request");
+    let res = sender.send_request(req).await.expect("response");
+    let text = String::from_utf8_lossy(&res.into_body().collect().await.expect("body").to_bytes()).into_owned();
+    assert!(
+        text.contains(r#"turnlock_injector_reviews_total{outcome="injected"} 1"#),
+        "{text}"
+    );
+    assert!(
+        text.contains(r#"turnlock_injector_reviews_total{outcome="unchanged"} 1"#),
+        "{text}"
+    );
 }

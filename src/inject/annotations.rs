@@ -151,7 +151,8 @@ pub fn resolve(annotations: &BTreeMap<String, String>, defaults: &WebhookArgs) -
 
     let quantity = |key: &'static str, default: &str| -> Result<String, InvalidAnnotation> {
         let v = get(key).unwrap_or_else(|| default.to_owned());
-        if is_quantity(&v) {
+        // An empty limit is no limit (the default for CPU).
+        if is_quantity(&v) || (v.is_empty() && (key == CPU_LIMIT || key == MEMORY_LIMIT)) {
             Ok(v)
         } else {
             Err(invalid(key, format!("{v:?} is not a Kubernetes quantity")))

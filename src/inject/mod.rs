@@ -88,13 +88,19 @@ pub struct WebhookArgs {
     pub cpu_request: String,
     #[arg(long, env = "TURNLOCK_SIDECAR_MEMORY_REQUEST", default_value = "32Mi")]
     pub memory_request: String,
-    #[arg(long, env = "TURNLOCK_SIDECAR_CPU_LIMIT", default_value = "1")]
+    /// The sidecar's CPU limit; empty (the default) sets none, so a burst of writes is not
+    /// throttled by the CFS quota while the request still reserves its share.
+    #[arg(long, env = "TURNLOCK_SIDECAR_CPU_LIMIT", default_value = "")]
     pub cpu_limit: String,
     #[arg(long, env = "TURNLOCK_SIDECAR_MEMORY_LIMIT", default_value = "128Mi")]
     pub memory_limit: String,
     /// The sidecar's log level (`RUST_LOG`).
     #[arg(long, env = "TURNLOCK_SIDECAR_LOG_LEVEL", default_value = "info")]
     pub log_level: String,
+    /// After SIGTERM, how long the webhook keeps answering reviews (with `/readyz` at 503, so
+    /// the Service stops sending it new ones) before it closes its listener, in milliseconds.
+    #[arg(long, env = "TURNLOCK_INJECT_DRAIN_MS", default_value_t = 5000)]
+    pub drain_ms: u64,
 }
 
 impl WebhookArgs {
@@ -116,9 +122,10 @@ impl WebhookArgs {
             proxy_uid: 1337,
             cpu_request: "50m".into(),
             memory_request: "32Mi".into(),
-            cpu_limit: "1".into(),
+            cpu_limit: String::new(),
             memory_limit: "128Mi".into(),
             log_level: "info".into(),
+            drain_ms: 0,
         }
     }
 }

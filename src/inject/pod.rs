@@ -222,7 +222,10 @@ pub fn sidecar(settings: &Settings, defaults: &WebhookArgs) -> Container {
             ..Default::default()
         }]),
         // A native sidecar (init container restarted always) starts before the agent and
-        // stops after it; its startup probe holds the agent back until the sidecar is ready.
+        // stops after it; its startup probe holds the agent back until the sidecar listens.
+        // `/readyz` never asks Redis or the store: a dependency outage neither holds new pods
+        // back, nor restarts them, nor takes running ones out of their Service (it shows in
+        // `/status` and the metrics instead).
         restart_policy: settings.native.then(|| "Always".to_owned()),
         startup_probe: Some(probe("/readyz", 1, 120)),
         readiness_probe: Some(probe("/readyz", 5, 3)),
@@ -300,11 +303,13 @@ fn env_var(name: &str, value: &str) -> EnvVar {
     }
 }
 
+/// Resource quantities; an empty one is left out (no limit).
 fn quantities(cpu: &str, memory: &str) -> BTreeMap<String, Quantity> {
-    BTreeMap::from([
-        ("cpu".to_owned(), Quantity(cpu.to_owned())),
-        ("memory".to_owned(), Quantity(memory.to_owned())),
-    ])
+    [("cpu", cpu), ("memory", memory)]
+        .into_iter()
+        .filter(|(_, q)| !q.is_empty())
+        .map(|(k, q)| (k.to_owned(), Quantity(q.to_owned())))
+        .collect()
 }
 
 fn to_value(c: Container) -> Result<Value, String> {

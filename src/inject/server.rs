@@ -1,6 +1,6 @@
 //! The webhook's HTTPS server: `POST /inject` (pods opted in by annotation or label),
 //! `POST /inject/namespace` (every pod of a namespace that opted in, unless the pod opts out),
-//! `GET /healthz` and `/readyz`. The certificate and key are read from the mounted files and
+//! `GET /healthz`, `/readyz` (503 while draining after SIGTERM) and `/metrics`. The certificate and key are read from the mounted files and
 //! reloaded when they change (cert-manager renews them in place).
 
 use std::net::SocketAddr;
@@ -14,6 +14,8 @@ use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
 use rustls_pki_types::pem::PemObject;
@@ -90,12 +92,34 @@ async fn serve(listener: TcpListener, acceptor: TlsAcceptor, args: Arc<WebhookAr
         .keep_alive(true);
     let builder = Arc::new(builder);
     let graceful = Arc::new(GracefulShutdown::new());
+    // On shutdown keep answering for the drain period (readiness already says no, so the
+    // Service stops sending reviews here) before the listener closes: reviews the API server
+    // sends meanwhile are answered instead of failing admissions during a rollout.
+    let stop_accepting = CancellationToken::new();
+    {
+        let (shutdown, stop, drain) = (
+            shutdown.clone(),
+            stop_accepting.clone(),
+            Duration::from_millis(args.drain_ms),
+        );
+        tokio::spawn(async move {
+            shutdown.cancelled().await;
+            tracing::info!(
+                ?drain,
+                "shutting down: not ready; still answering reviews during the drain"
+            );
+            tokio::time::sleep(drain).await;
+            stop.cancel();
+        });
+    }
+    let stats = Stats::new();
     loop {
-        let Some((stream, peer)) = crate::server::accept(&listener, &shutdown).await else {
+        let Some((stream, peer)) = crate::server::accept(&listener, &stop_accepting).await else {
             break;
         };
         let acceptor = acceptor.clone();
         let args = args.clone();
+        let (draining, stats) = (shutdown.clone(), stats.clone());
         let builder = builder.clone();
         let graceful = graceful.clone();
         tokio::spawn(async move {
@@ -111,8 +135,8 @@ async fn serve(listener: TcpListener, acceptor: TlsAcceptor, args: Arc<WebhookAr
                 }
             };
             let service = hyper::service::service_fn(move |req| {
-                let args = args.clone();
-                async move { Ok::<_, std::convert::Infallible>(handle(req, &args).await) }
+                let (args, draining, stats) = (args.clone(), draining.clone(), stats.clone());
+                async move { Ok::<_, std::convert::Infallible>(handle(req, &args, draining.is_cancelled(), &stats).await) }
             });
             let conn = builder.serve_connection(TokioIo::new(tls), service).into_owned();
             if let Err(error) = graceful.watch(conn).await {
@@ -126,16 +150,31 @@ async fn serve(listener: TcpListener, acceptor: TlsAcceptor, args: Arc<WebhookAr
     }
 }
 
-async fn handle(req: Request<Incoming>, args: &WebhookArgs) -> Response<Body> {
+async fn handle(req: Request<Incoming>, args: &WebhookArgs, draining: bool, stats: &Stats) -> Response<Body> {
     let scope = match (req.method(), req.uri().path()) {
-        (&Method::GET, "/healthz" | "/readyz") => return json(StatusCode::OK, &json!({"status": "ok"})),
+        (&Method::GET, "/healthz") => return json(StatusCode::OK, &json!({"status": "ok"})),
+        (&Method::GET, "/readyz") if draining => {
+            return json(
+                StatusCode::SERVICE_UNAVAILABLE,
+                &json!({"status": "draining", "reason": "shutting down"}),
+            )
+        }
+        (&Method::GET, "/readyz") => return json(StatusCode::OK, &json!({"status": "ok"})),
+        (&Method::GET, "/metrics") => {
+            let mut res = Response::new(crate::http::full(stats.encode()));
+            res.headers_mut().insert(
+                http::header::CONTENT_TYPE,
+                http::HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"),
+            );
+            return res;
+        }
         (&Method::POST, "/inject") => Scope::OptIn,
         (&Method::POST, "/inject/namespace") => Scope::Namespace,
         _ => {
             return error(
                 StatusCode::NOT_FOUND,
                 "not_found",
-                "endpoints: POST /inject, POST /inject/namespace, GET /healthz",
+                "endpoints: POST /inject, POST /inject/namespace, GET /healthz, /readyz, /metrics",
                 None,
             )
         }
@@ -154,8 +193,71 @@ async fn handle(req: Request<Incoming>, args: &WebhookArgs) -> Response<Body> {
         }
     };
     match review::answer(&body, scope, args) {
-        Ok(answer) => json(StatusCode::OK, &answer),
-        Err(e) => error(StatusCode::BAD_REQUEST, "invalid_review", e, None),
+        Ok(answer) => {
+            let outcome = if answer["response"]["patch"].is_string() {
+                "injected"
+            } else if answer["response"]["allowed"] == false {
+                "denied"
+            } else {
+                "unchanged"
+            };
+            stats.review(outcome);
+            json(StatusCode::OK, &answer)
+        }
+        Err(e) => {
+            stats.review("invalid");
+            error(StatusCode::BAD_REQUEST, "invalid_review", e, None)
+        }
+    }
+}
+
+/// The webhook's metrics: reviews by outcome, and the build.
+#[derive(Clone)]
+struct Stats {
+    inner: Arc<(prometheus_client::registry::Registry, Family<Outcome, Counter>)>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, prometheus_client::encoding::EncodeLabelSet)]
+struct Outcome {
+    outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, prometheus_client::encoding::EncodeLabelSet)]
+struct Build {
+    version: &'static str,
+}
+
+impl Stats {
+    fn new() -> Self {
+        let mut registry = prometheus_client::registry::Registry::with_prefix("turnlock_injector");
+        let reviews = Family::<Outcome, Counter>::default();
+        registry.register(
+            "reviews",
+            "Admission reviews answered, by outcome (injected, unchanged, denied, invalid)",
+            reviews.clone(),
+        );
+        let build = Family::<Build, prometheus_client::metrics::gauge::Gauge>::default();
+        build
+            .get_or_create(&Build {
+                version: env!("CARGO_PKG_VERSION"),
+            })
+            .set(1);
+        registry.register("build_info", "The running version (always 1)", build);
+        Self {
+            inner: Arc::new((registry, reviews)),
+        }
+    }
+
+    fn review(&self, outcome: &'static str) {
+        self.inner.1.get_or_create(&Outcome { outcome }).inc();
+    }
+
+    fn encode(&self) -> String {
+        let mut out = String::new();
+        if prometheus_client::encoding::text::encode(&mut out, &self.inner.0).is_err() {
+            out.clear();
+        }
+        out
     }
 }
 

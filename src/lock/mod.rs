@@ -241,6 +241,15 @@ impl Locks {
     }
 
     /// Answers whether the backend is reachable.
+    /// Whether the lock backend has left commands unanswered for longer than `limit`: a
+    /// write that runs out of time then is answered `lock_unavailable`, not `session_busy`.
+    pub fn stalled(&self, limit: Duration) -> bool {
+        match self {
+            Locks::Memory(_) => false,
+            Locks::Redis(r) => r.conn().stalled_for() >= limit,
+        }
+    }
+
     pub async fn ping(&self) -> Result<(), LockError> {
         match self {
             Locks::Memory(_) => Ok(()),
@@ -256,6 +265,11 @@ impl Locks {
     }
 
     /// Releases every lock this process still holds (at shutdown, after the grace period).
+    /// How many locks this process holds (what a shutdown would leave to expire).
+    pub fn held_count(&self) -> usize {
+        self.held().len()
+    }
+
     pub async fn release_all(&self) -> usize {
         let held: Vec<(String, String)> = self
             .held()

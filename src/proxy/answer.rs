@@ -63,8 +63,22 @@ impl Answer {
         self.status.is_success() || (self.status.is_client_error() && !transient)
     }
 
+    /// The error code of a refusal (its body's `error` field, as a bounded metric label);
+    /// empty for a success.
+    pub fn code(&self) -> &'static str {
+        if self.status.is_success() {
+            return "";
+        }
+        serde_json::from_slice::<Value>(&self.body)
+            .ok()
+            .and_then(|v| v["error"].as_str().map(crate::metrics::error_label))
+            .unwrap_or("other")
+    }
+
     pub fn into_response(self) -> Response<Body> {
+        let code = self.code();
         let mut res = Response::new(full(self.body));
+        res.extensions_mut().insert(crate::metrics::ErrorCode(code));
         *res.status_mut() = self.status;
         for (k, v) in self.headers {
             res.headers_mut().append(k, v);

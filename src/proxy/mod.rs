@@ -10,6 +10,7 @@ pub use self::request::{Limits, BODY_READ_TIMEOUT, CONTEXT_REPLACE, IDEMPOTENCY_
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Instant;
 
 use http::header::{self, HeaderValue};
 use http::{Request, Response, StatusCode};
@@ -17,7 +18,7 @@ use http_body_util::BodyExt;
 use hyper::body::Incoming;
 
 use crate::http::{error, Body};
-use crate::metrics::Metrics;
+use crate::metrics::{ErrorCode, Metrics};
 use crate::routes::Routes;
 use crate::upstream::Upstream;
 
@@ -63,16 +64,23 @@ impl Proxy {
         let path = req.uri().path().to_owned();
         let (route_name, res) = match inner.routes.find(req.method(), &path) {
             Some((route, session)) => {
+                let _in_flight = inner.metrics.write_in_flight();
                 let (parts, body) = req.into_parts();
                 let res = match request::parse(route, session, &parts, body, inner.max_body).await {
-                    Ok(write) => inner.pipeline.submit(write).await.into_response(),
+                    Ok(write) => {
+                        let (session, turn, started) = (write.session.to_string(), write.turn, Instant::now());
+                        let answer = inner.pipeline.submit(write).await;
+                        log_write(route.name, &session, turn, &answer, started);
+                        answer.into_response()
+                    }
                     Err(refusal) => refusal.into_response(),
                 };
                 (route.name, res)
             }
             None => ("forward", self.forward(req, peer).await),
         };
-        inner.metrics.request(route_name, res.status().as_u16());
+        let code = res.extensions().get::<ErrorCode>().map_or("", |c| c.0);
+        inner.metrics.request(route_name, res.status().as_u16(), code);
         res
     }
 
@@ -93,13 +101,35 @@ impl Proxy {
         append_forwarded_for(&mut parts.headers, peer);
         parts.version = http::Version::HTTP_11;
         let req = Request::from_parts(parts, body.map_err(Into::into).boxed());
-        match upstream.send(req).await {
+        match upstream.forward(req).await {
             Ok(res) => {
                 let (mut parts, body) = res.into_parts();
                 crate::http::strip_hop_by_hop(&mut parts.headers);
                 Response::from_parts(parts, body.map_err(Into::into).boxed())
             }
-            Err(e) => error(e.status(), e.code(), e, None),
+            Err(e) => {
+                let code = e.code();
+                let mut res = error(e.status(), code, e, None);
+                res.extensions_mut().insert(ErrorCode(code));
+                res
+            }
+        }
+    }
+}
+
+/// The log line of each write, at info; a failure of turnlock, Redis or the store is also
+/// warned about, at most once per [`crate::telemetry::WARN_EVERY`].
+fn log_write(route: &str, session: &str, turn: u64, answer: &answer::Answer, started: Instant) {
+    let status = answer.status.as_u16();
+    let outcome = match answer.code() {
+        "" => "ok",
+        code => code,
+    };
+    let took_ms = started.elapsed().as_millis() as u64;
+    tracing::info!(route, session, turn, status, outcome, took_ms, "write");
+    if answer.status.is_server_error() {
+        if let Some(suppressed) = crate::telemetry::warn_allowed("write failed") {
+            tracing::warn!(route, status, outcome, suppressed, "writes failing");
         }
     }
 }

@@ -287,7 +287,7 @@ impl Pipeline {
             ),
             Err(_) => {
                 if queue.withdraw(id) {
-                    busy(s.settings.budget)
+                    unanswered(&s.locks, s.settings.budget)
                 } else {
                     // Already taken into a batch under the lock: its answer is coming.
                     rx.await.unwrap_or_else(|_| {
@@ -311,6 +311,19 @@ enum Claim {
     Held(Bytes),
     /// Answered from the key's record (a replay, a reuse with another payload, in progress).
     Answered(Answer),
+}
+
+/// The answer to a write whose budget ran out: `lock_unavailable` when Redis left its
+/// commands unanswered all that time (a hung server is not contention), else `session_busy`.
+fn unanswered(locks: &Locks, budget: Duration) -> Answer {
+    if locks.stalled(budget / 2) {
+        Answer::retryable(
+            "lock_unavailable",
+            format!("the lock backend did not answer within {} ms", budget.as_millis()),
+        )
+    } else {
+        busy(budget)
+    }
 }
 
 fn busy(budget: Duration) -> Answer {
@@ -390,7 +403,9 @@ async fn lead_queue(s: Arc<Shared>, queue: Arc<Queue>, queue_key: String) {
         match s.locks.acquire(&queue.lock_key, &fence_key, deadline, &s.metrics).await {
             Err(LockError::Busy(_)) => continue,
             Err(LockError::Backend(e)) => {
-                tracing::warn!(lock = %queue.lock_key, error = %e, "lock backend unavailable");
+                if let Some(suppressed) = crate::telemetry::warn_allowed("lock backend unavailable") {
+                    tracing::warn!(lock = %queue.lock_key, error = %e, suppressed, "lock backend unavailable");
+                }
                 queue.fail_all(&Answer::retryable(
                     "lock_unavailable",
                     format!("the lock backend is unavailable: {e}"),
@@ -423,6 +438,7 @@ async fn lead_queue(s: Arc<Shared>, queue: Arc<Queue>, queue_key: String) {
                         "partial"
                     },
                 );
+                span.in_scope(|| tracing::debug!(ok, "batch committed"));
                 // The records go before the lock: with Redis, in the release's own round trip.
                 if s.locks.carries_records() {
                     lease.release_with(&s.metrics, records).await;
@@ -607,7 +623,9 @@ async fn merge_attempts(
                 return (refusals(results, &write_conflict()), false);
             }
             Err(e) => {
-                tracing::warn!(error = %e, "write-back to the context store failed");
+                if let Some(suppressed) = crate::telemetry::warn_allowed("write-back failed") {
+                    tracing::warn!(error = %e, suppressed, "write-back to the context store failed");
+                }
                 return (refusals(results, &upstream_answer(&e)), e.outcome_unknown());
             }
         }

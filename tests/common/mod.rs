@@ -93,6 +93,16 @@ impl RedisServer {
         }
     }
 
+    /// Sends a signal (`STOP`, `CONT`, …) to the server process.
+    pub fn signal(&self, sig: &str) {
+        let Some(child) = &self.child else { return };
+        let status = Command::new("kill")
+            .args([&format!("-{sig}"), &child.id().to_string()])
+            .status()
+            .expect("kill");
+        assert!(status.success(), "kill -{sig} failed");
+    }
+
     /// Starts it again on the same port, empty.
     pub fn restart(&mut self) {
         self.kill();

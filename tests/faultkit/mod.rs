@@ -63,6 +63,16 @@ pub async fn readyz(admin: SocketAddr) -> u16 {
     }
 }
 
+/// What `/status` says of a dependency (`redis`, `store`): `Some(up)` after its first
+/// background check, `None` before it or when the admin server does not answer.
+pub async fn dependency_up(admin: SocketAddr, dependency: &str) -> Option<bool> {
+    let c = JsonClient::new(format!("http://{admin}"));
+    match tokio::time::timeout(Duration::from_secs(3), c.send(http::Method::GET, "/status", None, &[])).await {
+        Ok(Ok(r)) => r.json["dependencies"][dependency]["up"].as_bool(),
+        _ => None,
+    }
+}
+
 /// Appends one message (content = `token`, with `id` = `token` when `with_id`).
 pub async fn append(
     client: &JsonClient,

@@ -1,0 +1,177 @@
+//! Dependency health, checked in the background: probes read it, they never wait on Redis or
+//! the store. Readiness means "this sidecar can serve" (its listeners are up and it is not
+//! shutting down); a Redis or store outage is shown by `/status`, the `dependency_up` gauge
+//! and one log line per change, while reads keep flowing and writes fail fast with
+//! `lock_unavailable` or `upstream_unavailable`.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use serde_json::{json, Value};
+use tokio_util::sync::CancellationToken;
+
+use crate::lock::Locks;
+use crate::metrics::Metrics;
+use crate::upstream::Upstream;
+
+/// How often each dependency is checked.
+pub const CHECK_EVERY: Duration = Duration::from_secs(1);
+/// How long one check may take before the dependency counts as down.
+pub const CHECK_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Cheap to clone; all clones share one state.
+#[derive(Clone)]
+pub struct Health {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    redis: Dependency,
+    /// `None` in transparent mode, where there is no single store to check.
+    store: Option<Dependency>,
+    shutdown: CancellationToken,
+}
+
+/// One dependency's last known state.
+struct Dependency {
+    name: &'static str,
+    checked: AtomicBool,
+    up: AtomicBool,
+    state: Mutex<DepState>,
+}
+
+#[derive(Default)]
+struct DepState {
+    /// Unix seconds of the last change of `up`.
+    since: u64,
+    error: Option<String>,
+}
+
+// === impl Health ===
+
+impl Health {
+    pub fn new(with_store: bool, shutdown: CancellationToken) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                redis: Dependency::new("redis"),
+                store: with_store.then(|| Dependency::new("store")),
+                shutdown,
+            }),
+        }
+    }
+
+    /// Whether this sidecar can serve: no I/O, only whether it is shutting down.
+    pub fn ready(&self) -> bool {
+        !self.inner.shutdown.is_cancelled()
+    }
+
+    /// Whether Redis answered its last check (true before the first check).
+    pub fn redis_up(&self) -> bool {
+        !self.inner.redis.checked.load(Ordering::Acquire) || self.inner.redis.up.load(Ordering::Acquire)
+    }
+
+    /// The detailed status for `/status` and `turnlock health --deps`.
+    pub fn status(&self) -> Value {
+        let mut deps = serde_json::Map::new();
+        deps.insert("redis".into(), self.inner.redis.describe());
+        if let Some(store) = &self.inner.store {
+            deps.insert("store".into(), store.describe());
+        }
+        json!({
+            "ready": self.ready(),
+            "shutting_down": self.inner.shutdown.is_cancelled(),
+            "dependencies": deps,
+        })
+    }
+
+    /// Checks every dependency every [`CHECK_EVERY`] until `stop` fires.
+    pub fn spawn_checks(&self, locks: Locks, upstream: Option<Upstream>, metrics: Metrics, stop: CancellationToken) {
+        let health = self.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(CHECK_EVERY);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tick.tick() => {}
+                }
+                let redis = async {
+                    match tokio::time::timeout(CHECK_TIMEOUT, locks.ping()).await {
+                        Ok(Ok(())) => Ok(()),
+                        Ok(Err(e)) => Err(e.to_string()),
+                        Err(_) => Err(format!("no answer within {CHECK_TIMEOUT:?}")),
+                    }
+                };
+                let store = async {
+                    match &upstream {
+                        None => Ok(()),
+                        Some(u) => match tokio::time::timeout(CHECK_TIMEOUT, u.ping()).await {
+                            Ok(true) => Ok(()),
+                            Ok(false) => Err("the store did not answer".to_owned()),
+                            Err(_) => Err(format!("no answer within {CHECK_TIMEOUT:?}")),
+                        },
+                    }
+                };
+                let (redis, store) = tokio::join!(redis, store);
+                health.inner.redis.record(redis, &metrics);
+                if let Some(dep) = &health.inner.store {
+                    dep.record(store, &metrics);
+                }
+            }
+        });
+    }
+}
+
+// === impl Dependency ===
+
+impl Dependency {
+    fn new(name: &'static str) -> Self {
+        Self {
+            name,
+            checked: AtomicBool::new(false),
+            up: AtomicBool::new(false),
+            state: Mutex::new(DepState::default()),
+        }
+    }
+
+    /// Stores one check's result; logs only changes (so an outage is one WARN, not one per
+    /// second).
+    fn record(&self, result: Result<(), String>, metrics: &Metrics) {
+        let up = result.is_ok();
+        let first = !self.checked.swap(true, Ordering::AcqRel);
+        let was = self.up.swap(up, Ordering::AcqRel);
+        metrics.dependency_up(self.name, up);
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if first || was != up {
+            state.since = unix_now();
+            match (&result, first) {
+                (Ok(()), true) => tracing::info!(dependency = self.name, "dependency reachable"),
+                (Ok(()), false) => tracing::info!(dependency = self.name, "dependency recovered"),
+                (Err(error), _) => tracing::warn!(
+                    dependency = self.name,
+                    %error,
+                    "dependency unreachable: writes fail fast until it is back; reads still pass through"
+                ),
+            }
+        }
+        state.error = result.err();
+    }
+
+    fn describe(&self) -> Value {
+        let state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let checked = self.checked.load(Ordering::Acquire);
+        json!({
+            "up": checked.then(|| self.up.load(Ordering::Acquire)),
+            "since_unix": checked.then_some(state.since),
+            "error": state.error,
+        })
+    }
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}

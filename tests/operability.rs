@@ -1,0 +1,513 @@
+//! What an operator meets: readiness through a Redis outage, a hung Redis told apart from
+//! contention, a shutdown bounded by its grace, keep-alive clients during the drain, and a
+//! store that closes idle connections silently.
+
+mod common;
+mod faultkit;
+
+use std::net::SocketAddr;
+use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use faultkit::relay::{OnPut, Relay};
+use faultkit::{append, readyz, ProxyProc};
+use serde_json::Value;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use turnlock::client::JsonClient;
+
+async fn admin_get(admin: SocketAddr, path: &str) -> (u16, String) {
+    let c = JsonClient::new(format!("http://{admin}"));
+    match tokio::time::timeout(Duration::from_secs(3), c.send(http::Method::GET, path, None, &[])).await {
+        Ok(Ok(r)) => (r.status.as_u16(), String::from_utf8_lossy(&r.body).into_owned()),
+        _ => (0, String::new()),
+    }
+}
+
+/// Waits (bounded) for a child to exit; its exit code and how long it took.
+fn wait_exit(child: &mut std::process::Child, limit: Duration) -> (Option<i32>, Duration) {
+    let started = Instant::now();
+    while started.elapsed() < limit {
+        if let Ok(Some(status)) = child.try_wait() {
+            return (status.code(), started.elapsed());
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    (None, started.elapsed())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_outage_keeps_the_sidecar_ready_reads_flowing_and_shows_in_status() {
+    let store = store().await;
+    let mut redis = RedisServer::start();
+    let proxy = ProxyProc::spawn(&format!("http://{}", store.addr), &redis.url(), &[]);
+    let client = proxy.client();
+    let ok = append(&client, "outage-1", 1, "m1", true, &[]).await.expect("write");
+    assert!(ok.status.is_success(), "{}", String::from_utf8_lossy(&ok.body));
+    assert_eq!(readyz(proxy.admin).await, 200);
+
+    redis.kill();
+    // Well past the background check period: readiness must not follow Redis.
+    let mut seen_down = false;
+    for _ in 0..30 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(
+            readyz(proxy.admin).await,
+            200,
+            "a Redis outage made the sidecar not ready"
+        );
+        let (code, body) = admin_get(proxy.admin, "/status").await;
+        assert_eq!(code, 200);
+        let status: Value = serde_json::from_str(&body).expect("status json");
+        if status["dependencies"]["redis"]["up"] == Value::Bool(false) {
+            assert!(status["dependencies"]["redis"]["error"].is_string(), "{status}");
+            assert_eq!(status["dependencies"]["store"]["up"], Value::Bool(true), "{status}");
+            seen_down = true;
+        }
+    }
+    assert!(seen_down, "/status never showed Redis down");
+    let (_, metrics) = admin_get(proxy.admin, "/metrics").await;
+    assert!(
+        metrics.contains(r#"turnlock_dependency_up{dependency="redis"} 0"#),
+        "{metrics}"
+    );
+    // Reads pass through; a write fails fast with a clear code.
+    let read = get_doc(&client, "outage-1").await;
+    assert_eq!(read.status, 200);
+    let started = Instant::now();
+    let refused = append(&client, "outage-1", 2, "m2", true, &[]).await.expect("write");
+    assert_eq!(refused.status, 503);
+    assert_eq!(refused.json["error"], "lock_unavailable", "{}", refused.json);
+    assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
+    let (_, metrics) = admin_get(proxy.admin, "/metrics").await;
+    let failures: Vec<&str> = metrics
+        .lines()
+        .filter(|l| l.starts_with("turnlock_redis_errors_total{"))
+        .collect();
+    assert!(
+        failures.iter().any(|l| l.contains(r#"op="try_acquire""#)),
+        "Redis failures not counted by operation: {failures:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_redis_is_answered_lock_unavailable_not_session_busy() {
+    let store = store().await;
+    let redis = RedisServer::start();
+    let proxy = ProxyProc::spawn(&format!("http://{}", store.addr), &redis.url(), &[]);
+    let client = proxy.client();
+    let ok = append(&client, "hung-1", 1, "m1", true, &[]).await.expect("write");
+    assert!(ok.status.is_success());
+
+    redis.signal("STOP");
+    let mut codes = Vec::new();
+    for i in 0..6u64 {
+        let r = append(&client, &format!("hung-{i}"), 2, &format!("x{i}"), true, &[]).await;
+        codes.push(
+            r.map(|r| r.json["error"].as_str().unwrap_or("").to_owned())
+                .unwrap_or_default(),
+        );
+    }
+    redis.signal("CONT");
+    assert!(
+        codes.iter().all(|c| c == "lock_unavailable"),
+        "a hung Redis was answered {codes:?}"
+    );
+    let (_, metrics) = admin_get(proxy.admin, "/metrics").await;
+    assert!(
+        metrics.contains(r#"status="503",error="lock_unavailable"} 6"#),
+        "{metrics}"
+    );
+    assert!(!metrics.contains(r#"error="session_busy""#), "{metrics}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_with_a_hung_redis_and_held_writes_ends_within_the_grace_and_says_so() {
+    let store = store().await;
+    let relay = Relay::start(store.addr).await;
+    let redis = RedisServer::start();
+    let proxy = ProxyProc::spawn(&relay.url("http"), &redis.url(), &["--shutdown-grace-ms", "1000"]);
+    relay.on_put(OnPut::Hold);
+    let client = proxy.client();
+    let writers: Vec<_> = (0..8u64)
+        .map(|i| {
+            let client = client.clone();
+            tokio::spawn(async move { append(&client, &format!("drain-{i}"), 1, "m", true, &[]).await })
+        })
+        .collect();
+    assert!(
+        relay.wait_held(8, Duration::from_secs(10)).await,
+        "writes did not reach the store"
+    );
+    let (_, metrics) = admin_get(proxy.admin, "/metrics").await;
+    assert!(metrics.contains("turnlock_writes_in_flight 8"), "{metrics}");
+    redis.signal("STOP");
+    let mut proc = proxy.proc;
+    let started = Instant::now();
+    proc.signal("TERM");
+    let (code, _) = wait_exit(&mut proc.child, Duration::from_secs(20));
+    let took = started.elapsed();
+    redis.signal("CONT");
+    relay.release_held();
+    for w in writers {
+        let _ = w.await;
+    }
+    println!("shutdown with grace 1000 ms, hung Redis, 8 held writes: exit {code:?} after {took:?}");
+    assert!(
+        took <= Duration::from_millis(2000),
+        "shutdown took {took:?} with a 1 s grace"
+    );
+    assert_eq!(code, Some(70), "abandoned writes must not exit 0");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_signal_exits_at_once() {
+    let store = store().await;
+    let relay = Relay::start(store.addr).await;
+    let redis = RedisServer::start();
+    let proxy = ProxyProc::spawn(&relay.url("http"), &redis.url(), &["--shutdown-grace-ms", "30000"]);
+    relay.on_put(OnPut::Hold);
+    let client = proxy.client();
+    let writer = tokio::spawn(async move { append(&client, "second-1", 1, "m", true, &[]).await });
+    assert!(relay.wait_held(1, Duration::from_secs(10)).await);
+    let mut proc = proxy.proc;
+    proc.signal("TERM");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let started = Instant::now();
+    proc.signal("INT");
+    let (code, _) = wait_exit(&mut proc.child, Duration::from_secs(10));
+    let took = started.elapsed();
+    relay.release_held();
+    let _ = writer.await;
+    assert_eq!(code, Some(130));
+    assert!(took < Duration::from_secs(1), "second signal took {took:?}");
+}
+
+/// One keep-alive client: sends GETs on one connection until told to stop or the server
+/// says `Connection: close`; counts connections that ended under a request.
+async fn keep_alive_client(addr: SocketAddr, stop: Arc<std::sync::atomic::AtomicBool>, cut: Arc<AtomicUsize>) {
+    let Ok(mut conn) = tokio::net::TcpStream::connect(addr).await else {
+        return;
+    };
+    for _ in 0..100_000 {
+        if stop.load(Ordering::SeqCst) {
+            return;
+        }
+        let req = b"GET /v1/sessions/ka HTTP/1.1\r\nHost: x\r\n\r\n";
+        if conn.write_all(req).await.is_err() {
+            cut.fetch_add(1, Ordering::SeqCst);
+            return;
+        }
+        let mut head = Vec::new();
+        let mut byte = [0u8; 1];
+        loop {
+            match tokio::time::timeout(Duration::from_secs(5), conn.read(&mut byte)).await {
+                Ok(Ok(1)) => head.push(byte[0]),
+                _ => {
+                    cut.fetch_add(1, Ordering::SeqCst);
+                    return;
+                }
+            }
+            if head.ends_with(b"\r\n\r\n") {
+                break;
+            }
+        }
+        let head = String::from_utf8_lossy(&head).to_ascii_lowercase();
+        let len: usize = head
+            .lines()
+            .find_map(|l| l.strip_prefix("content-length:"))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0);
+        let mut body = vec![0u8; len];
+        if conn.read_exact(&mut body).await.is_err() {
+            cut.fetch_add(1, Ordering::SeqCst);
+            return;
+        }
+        if head.contains("connection: close") {
+            return;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keep_alive_clients_racing_the_drain_are_answered_connection_close_not_cut() {
+    let store = store().await;
+    let mut args = proxy_args(store.addr, None);
+    args.shutdown_grace_ms = 2000;
+    let running = proxy(args).await;
+    let addr = running.addr;
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let cut = Arc::new(AtomicUsize::new(0));
+    let clients: Vec<_> = (0..48)
+        .map(|_| tokio::spawn(keep_alive_client(addr, stop.clone(), cut.clone())))
+        .collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let token = running.shutdown_token();
+    token.cancel();
+    let stopped = tokio::spawn(running.wait());
+    for c in clients {
+        let _ = tokio::time::timeout(Duration::from_secs(10), c).await;
+    }
+    stop.store(true, Ordering::SeqCst);
+    let _ = tokio::time::timeout(Duration::from_secs(10), stopped).await;
+    assert_eq!(
+        cut.load(Ordering::SeqCst),
+        0,
+        "keep-alive connections cut under a request"
+    );
+}
+
+/// A store that answers the first request of each connection and closes the connection when
+/// the next one arrives, without answering (an idle connection closed silently); or, with
+/// `close_reused` false, a plain keep-alive store. Counts connections open and at most open.
+struct TinyStore {
+    addr: SocketAddr,
+    open: Arc<AtomicUsize>,
+    peak: Arc<AtomicUsize>,
+}
+
+impl TinyStore {
+    async fn start(close_reused: bool, delay: Duration) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let open = Arc::new(AtomicUsize::new(0));
+        let peak = Arc::new(AtomicUsize::new(0));
+        let (o, p) = (open.clone(), peak.clone());
+        tokio::spawn(async move {
+            while let Ok((mut conn, _)) = listener.accept().await {
+                let (open, peak) = (o.clone(), p.clone());
+                let now = open.fetch_add(1, Ordering::SeqCst) + 1;
+                peak.fetch_max(now, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    for served in 0..10_000 {
+                        if read_head(&mut conn).await.is_none() {
+                            break;
+                        }
+                        if close_reused && served > 0 {
+                            break;
+                        }
+                        tokio::time::sleep(delay).await;
+                        let body = r#"{"messages":[]}"#;
+                        let res = format!(
+                            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+                            body.len()
+                        );
+                        if conn.write_all(res.as_bytes()).await.is_err() {
+                            break;
+                        }
+                    }
+                    open.fetch_sub(1, Ordering::SeqCst);
+                });
+            }
+        });
+        Self { addr, open, peak }
+    }
+}
+
+async fn read_head(conn: &mut tokio::net::TcpStream) -> Option<()> {
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        match conn.read(&mut byte).await {
+            Ok(1) => head.push(byte[0]),
+            _ => return None,
+        }
+        if head.len() > 64 * 1024 {
+            return None;
+        }
+    }
+    Some(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_that_closes_idle_connections_silently_causes_no_502_on_reads() {
+    let tiny = TinyStore::start(true, Duration::ZERO).await;
+    let running = proxy(proxy_args(tiny.addr, None)).await;
+    let client = client(running.addr);
+    let mut statuses = Vec::new();
+    for _ in 0..20 {
+        let r = get_doc(&client, "stale-1").await;
+        statuses.push(r.status.as_u16());
+    }
+    assert!(statuses.iter().all(|s| *s == 200), "reads failed: {statuses:?}");
+    let text = running.metrics.encode();
+    assert!(text.contains("turnlock_upstream_retries_total"), "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_store_pool_is_capped_and_idle_connections_are_reaped() {
+    let tiny = TinyStore::start(false, Duration::from_millis(100)).await;
+    let mut args = proxy_args(tiny.addr, None);
+    args.upstream_max_connections = 4;
+    args.upstream_idle_timeout_ms = 300;
+    let running = proxy(args).await;
+    let readers: Vec<_> = (0..40)
+        .map(|i| {
+            let client = client(running.addr);
+            tokio::spawn(async move { get_doc(&client, &format!("pool-{i}")).await.status.as_u16() })
+        })
+        .collect();
+    for r in readers {
+        assert_eq!(r.await.expect("reader"), 200);
+    }
+    let peak = tiny.peak.load(Ordering::SeqCst);
+    assert!(peak <= 4, "{peak} store connections open at once with a cap of 4");
+    let reaped = faultkit::eventually(Duration::from_secs(5), Duration::from_millis(50), || {
+        let open = tiny.open.clone();
+        async move { open.load(Ordering::SeqCst) == 0 }
+    })
+    .await;
+    assert!(
+        reaped.is_some(),
+        "{} idle store connections still open past the idle timeout",
+        tiny.open.load(Ordering::SeqCst)
+    );
+}
+
+#[test]
+fn health_subcommand_gives_up_before_the_image_healthcheck_does() {
+    // A listener that accepts and never answers.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = silent.local_addr().expect("addr").to_string();
+    let started = Instant::now();
+    let out = Command::new(turnlock_bin())
+        .args(["health", "--admin", &addr])
+        .output()
+        .expect("health");
+    assert!(!out.status.success());
+    assert!(started.elapsed() < Duration::from_secs(3), "{:?}", started.elapsed());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_write_is_logged_once_at_info_failures_warn_rate_limited_and_no_colours_in_files() {
+    let store = store().await;
+    let mut redis = RedisServer::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let log_path = dir.path().join("proxy.log");
+    let log = std::fs::File::create(&log_path).expect("log file");
+    let (port, admin) = (free_port(), free_port());
+    let child = Command::new(turnlock_bin())
+        .args([
+            "proxy",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--admin",
+            &format!("127.0.0.1:{admin}"),
+            "--upstream",
+            &format!("http://{}", store.addr),
+            "--redis",
+            &redis.url(),
+        ])
+        .env("RUST_LOG", "info")
+        .stdout(std::process::Stdio::null())
+        .stderr(log)
+        .spawn()
+        .expect("spawn proxy");
+    let proc = Proc { child };
+    wait_for_port(port, Duration::from_secs(10));
+    let client = client(SocketAddr::from(([127, 0, 0, 1], port)));
+    for turn in 1..=3u64 {
+        let r = append(&client, "logged-1", turn, &format!("m{turn}"), true, &[])
+            .await
+            .expect("write");
+        assert!(r.status.is_success());
+    }
+    redis.kill();
+    for turn in 4..=23u64 {
+        let _ = append(&client, "logged-1", turn, &format!("m{turn}"), true, &[]).await;
+    }
+    proc.signal("TERM");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    drop(proc);
+    let text = std::fs::read_to_string(&log_path).expect("read log");
+    assert!(!text.contains('\u{1b}'), "ANSI colours written to a file");
+    let writes: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("INFO") && l.contains(" write route="))
+        .filter(|l| l.contains(r#"session="logged-1""#))
+        .collect();
+    let ok = writes.iter().filter(|l| l.contains(r#"outcome="ok""#)).count();
+    let failed = writes.iter().filter(|l| l.contains("lock_unavailable")).count();
+    assert_eq!((ok, failed), (3, 20), "one info line per write:\n{text}");
+    assert!(writes.iter().all(|l| l.contains("turn=")), "{text}");
+    let warnings = text
+        .lines()
+        .filter(|l| l.contains("WARN") && l.contains("writes failing"))
+        .count();
+    assert!(warnings <= 2, "{warnings} WARN lines for 20 failing writes:\n{text}");
+}
+
+/// A relay in front of a real store that closes a connection idle for `idle` since its last
+/// answer, silently: the close is noticed only when the next request arrives on it, which is
+/// then neither forwarded nor answered (a store or load balancer whose FIN was lost, or that
+/// drops idle connections without closing them cleanly).
+async fn silently_closing_relay(target: SocketAddr, idle: Duration) -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let Ok(server) = tokio::net::TcpStream::connect(target).await else {
+                    return;
+                };
+                let (mut cr, mut cw) = client.into_split();
+                let (mut sr, mut sw) = server.into_split();
+                let answered: Arc<std::sync::Mutex<Option<Instant>>> = Arc::default();
+                let seen = answered.clone();
+                let back = tokio::spawn(async move {
+                    let mut buf = vec![0u8; 16 * 1024];
+                    while let Ok(n) = sr.read(&mut buf).await {
+                        if n == 0 || cw.write_all(&buf[..n]).await.is_err() {
+                            break;
+                        }
+                        *seen.lock().expect("relay state") = Some(Instant::now());
+                    }
+                });
+                let mut buf = vec![0u8; 16 * 1024];
+                while let Ok(n) = cr.read(&mut buf).await {
+                    let stale = answered
+                        .lock()
+                        .expect("relay state")
+                        .is_some_and(|t| t.elapsed() >= idle);
+                    if n == 0 || stale || sw.write_all(&buf[..n]).await.is_err() {
+                        break;
+                    }
+                }
+                back.abort();
+            });
+        }
+    });
+    addr
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_succeed_when_the_store_closes_idle_connections_silently() {
+    let store = store().await;
+    let relay = silently_closing_relay(store.addr, Duration::from_millis(50)).await;
+    let running = proxy(proxy_args(relay, None)).await;
+    let client = client(running.addr);
+    let mut statuses = Vec::new();
+    for turn in 1..=10u64 {
+        tokio::time::sleep(Duration::from_millis(80)).await;
+        let r = append(&client, "stale-write", turn, &format!("m{turn}"), true, &[])
+            .await
+            .map(|r| (r.status.as_u16(), r.json["error"].as_str().unwrap_or("").to_owned()))
+            .unwrap_or((0, String::new()));
+        statuses.push(r);
+    }
+    assert!(
+        statuses.iter().all(|(s, _)| (200..300).contains(s)),
+        "writes failed: {statuses:?}"
+    );
+    let ids = message_ids(
+        &get_doc(
+            &turnlock::client::JsonClient::new(format!("http://{}", store.addr)),
+            "stale-write",
+        )
+        .await
+        .json,
+    );
+    assert_eq!(ids.len(), 10, "{ids:?}");
+}
