@@ -174,7 +174,7 @@ pub enum MergeError {
     NotFound,
     #[error("a merged PUT of a stored session needs the version it was based on: `version` in the body or If-Match")]
     VersionRequired,
-    #[error("this copy was read from a previous life of the session (it was deleted and created again since); read the session again and retry")]
+    #[error("this copy was read from a previous life of the session (it was deleted since, and maybe created again); read the session again and retry")]
     PreviousLife,
 }
 
@@ -301,7 +301,18 @@ pub fn apply(
             }
             doc
         }
-        (Op::Put { doc: incoming, .. }, None) => {
+        (
+            Op::Put {
+                doc: incoming,
+                base_version,
+            },
+            None,
+        ) => {
+            // A copy of a stored document (it carries a life or a version) whose document is
+            // gone was read before a delete: writing it would undo the delete.
+            if incoming.contains_key(LIFE) || base_version.is_some_and(|v| v > 0) {
+                return Err(MergeError::PreviousLife);
+            }
             let mut doc = empty(session);
             for (k, v) in incoming {
                 if !MANAGED.contains(&k.as_str()) {

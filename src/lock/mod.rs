@@ -240,7 +240,20 @@ impl Locks {
         }
     }
 
-    /// Answers whether the backend is reachable.
+    /// Raises a document's turn mark for a serialized write whose outcome is unknown (it may
+    /// have landed), leaving its commit slot to expire by itself: a write of an older turn is
+    /// then refused as stale rather than stored after one that may be there.
+    pub async fn raise_turn_mark(&self, scope: &Scope, turn: u64) -> Result<(), LockError> {
+        // An empty owner token never matches a slot's: the mark is raised, the slot kept.
+        match self {
+            Locks::Memory(m) => {
+                m.release_slot("", scope, Settled::Accepted(turn));
+                Ok(())
+            }
+            Locks::Redis(r) => r.release_slot("", scope, Settled::Accepted(turn)).await.map(|_| ()),
+        }
+    }
+
     /// Whether the lock backend has left commands unanswered for longer than `limit`: a
     /// write that runs out of time then is answered `lock_unavailable`, not `session_busy`.
     pub fn stalled(&self, limit: Duration) -> bool {
@@ -250,6 +263,7 @@ impl Locks {
         }
     }
 
+    /// Answers whether the backend is reachable.
     pub async fn ping(&self) -> Result<(), LockError> {
         match self {
             Locks::Memory(_) => Ok(()),

@@ -928,8 +928,14 @@ async fn serialize_batch(s: &Shared, queue: &Queue, lease: &Lease, batch: &[Pend
         let (answer, settled) = serialize_one(s, lease, p, &mut slot).await;
         match settled {
             Some(settled) => slot.release(s, lease, settled).await,
-            // Unknown outcome: the slot expires by itself, after the write can have landed.
-            None => slot.since = None,
+            // Unknown outcome: the slot expires by itself, after the write can have landed,
+            // and the write's turn counts as accepted (it may be stored).
+            None => {
+                slot.since = None;
+                if let Err(error) = s.locks.raise_turn_mark(&queue.scope, p.write.turn).await {
+                    tracing::warn!(%error, "turn mark not raised after an unknown outcome");
+                }
+            }
         }
         answers.push(answer);
     }

@@ -10,7 +10,7 @@ use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 
 use crate::http::{error, version_from_etag, Body};
-use crate::merge::{assign_ids, canonical, validate_messages, KeyedIds, Op, COMPACTED_IDS};
+use crate::merge::{assign_ids, canonical, validate_messages, KeyedIds, Op, COMPACTED_IDS, LIFE};
 use crate::routes::{Kind, Mode, Route, TurnSource};
 use crate::session::{resolve_turn, turn_from_header, turn_from_json, SessionId, TurnError};
 
@@ -301,7 +301,7 @@ fn build_op(
             }
         }
         Kind::Patch => {
-            if let Some(field) = ["messages", "session", "version", COMPACTED_IDS]
+            if let Some(field) = ["messages", "session", "version", COMPACTED_IDS, LIFE]
                 .into_iter()
                 .find(|f| doc.contains_key(*f))
             {
@@ -344,9 +344,22 @@ fn build_op(
                 ),
             };
             let header_version = match if_match {
-                Some(IfMatch::Strong(v) | IfMatch::Weak(v)) => Some(v),
+                Some(IfMatch::Strong(v)) => Some(v),
+                Some(IfMatch::Weak(_)) => {
+                    return Err(Refusal::new(
+                        StatusCode::PRECONDITION_FAILED,
+                        "version_mismatch",
+                        "If-Match is compared strongly (RFC 9110): a weak entity tag (W/\"…\") never matches",
+                    ))
+                }
                 Some(IfMatch::Any) | None => None,
             };
+            if let Some(id) = duplicate_id(&doc) {
+                return Err(bad(
+                    "invalid_messages",
+                    format!("message id {id:?} appears more than once in `messages`"),
+                ));
+            }
             let base_version = match (body_version, header_version) {
                 (Some(b), Some(h)) if b != h => {
                     return Err(bad(
@@ -381,6 +394,17 @@ fn build_op(
             Op::Compact { through, summary }
         }
     })
+}
+
+/// The first message id that appears twice in a document's `messages`, if any.
+fn duplicate_id(doc: &Map<String, Value>) -> Option<String> {
+    let mut seen = std::collections::HashSet::new();
+    doc.get("messages")?
+        .as_array()?
+        .iter()
+        .filter_map(|m| m.get("id")?.as_str())
+        .find(|id| !seen.insert(*id))
+        .map(str::to_owned)
 }
 
 /// The top-level body field the turn is read from, if any.

@@ -3,7 +3,8 @@
 --
 -- KEYS[1]  the document's commit slot
 -- KEYS[2]  the document's turn mark
--- ARGV[1]  the owner token that took the slot
+-- ARGV[1]  the owner token that took the slot; empty to raise the mark only and keep the
+--          slot (a write whose outcome is unknown: the slot expires by itself)
 -- ARGV[2]  the turn the store just accepted; -1 for none; -2 when the store deleted the
 --          document (its turn mark goes with it: the next write starts a new life)
 -- ARGV[3]  how long the turn mark outlives its last write, in milliseconds
