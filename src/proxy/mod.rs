@@ -56,15 +56,16 @@ impl Proxy {
         let inner = &self.inner;
         let path = req.uri().path().to_owned();
         let (route_name, res) = match inner.routes.find(req.method(), &path) {
-            Some((route, session)) => {
+            Ok(Some((route, session))) => {
                 let (parts, body) = req.into_parts();
-                let res = match request::parse(route, session, &parts, body, inner.max_body).await {
+                let res = match request::parse(route, &session, &parts, body, inner.max_body).await {
                     Ok(write) => inner.pipeline.submit(write).await.into_response(),
                     Err(refusal) => refusal.into_response(),
                 };
                 (route.name, res)
             }
-            None => ("forward", self.forward(req, peer).await),
+            Ok(None) => ("forward", self.forward(req, peer).await),
+            Err(ambiguous) => ("ambiguous", error(StatusCode::BAD_REQUEST, "ambiguous_path", ambiguous, None)),
         };
         inner.metrics.request(route_name, res.status().as_u16());
         res
