@@ -11,7 +11,6 @@ use std::time::Duration;
 use http::{Request, Response};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
-use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -64,7 +63,7 @@ pub async fn serve_with<H, F>(
         .max_header_size(MAX_HEAD_BYTES)
         .max_buf_size(MAX_HEAD_BYTES)
         .keep_alive(true);
-    let graceful = GracefulShutdown::new();
+    let connections = tokio_util::task::TaskTracker::new();
     loop {
         let Some((stream, peer)) = accept(&listener, &shutdown).await else {
             break;
@@ -83,16 +82,27 @@ pub async fn serve_with<H, F>(
             let handler = handler.clone();
             async move { Ok::<_, std::convert::Infallible>(handler(req, conn).await) }
         });
-        let conn = builder.serve_connection(TokioIo::new(stream), service);
-        let conn = graceful.watch(conn);
-        tokio::spawn(async move {
-            if let Err(error) = conn.await {
+        let builder = builder.clone();
+        let shutdown = shutdown.clone();
+        connections.spawn(async move {
+            // With upgrades: a WebSocket request passed through becomes a tunnel.
+            let conn = builder.serve_connection(TokioIo::new(stream), service).with_upgrades();
+            tokio::pin!(conn);
+            let ended = tokio::select! {
+                ended = conn.as_mut() => ended,
+                _ = shutdown.cancelled() => {
+                    conn.as_mut().graceful_shutdown();
+                    conn.await
+                }
+            };
+            if let Err(error) = ended {
                 tracing::debug!(%error, %peer, "connection ended with an error");
             }
         });
     }
     drop(listener);
-    if tokio::time::timeout(grace, graceful.shutdown()).await.is_err() {
+    connections.close();
+    if tokio::time::timeout(grace, connections.wait()).await.is_err() {
         tracing::warn!(?grace, "connections still open after the grace period; closing them");
     }
 }

@@ -146,6 +146,27 @@ impl Upstream {
         }
     }
 
+    /// Sends a request whose body streams from the client. The timeout bounds the wait for
+    /// the response head once `body_sent` resolved (the whole body handed to the store), not
+    /// the client's own upload; an answer that comes before the body is complete is taken.
+    pub async fn send_streaming(
+        &self,
+        req: Request<Body>,
+        body_sent: impl std::future::Future<Output = ()>,
+    ) -> Result<Response<Incoming>, UpstreamError> {
+        let res = self.client.request(req);
+        tokio::pin!(res);
+        tokio::select! {
+            r = &mut res => return r.map_err(|e| UpstreamError::Unreachable(error_chain(&e))),
+            _ = body_sent => {}
+        }
+        match tokio::time::timeout(self.timeout, res).await {
+            Err(_) => Err(UpstreamError::Timeout(self.timeout)),
+            Ok(Err(e)) => Err(UpstreamError::Unreachable(error_chain(&e))),
+            Ok(Ok(res)) => Ok(res),
+        }
+    }
+
     /// Reads the document at `path`, or `None` on 404.
     pub async fn get_document(&self, path: &str) -> Result<Fetched, UpstreamError> {
         let started = Instant::now();

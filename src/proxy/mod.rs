@@ -2,6 +2,7 @@
 //! is forwarded to the store unchanged.
 
 mod answer;
+mod passthrough;
 mod pipeline;
 mod request;
 
@@ -24,6 +25,7 @@ use crate::upstream::Upstream;
 #[derive(Clone)]
 pub struct Proxy {
     inner: Arc<Inner>,
+    keep_host: bool,
 }
 
 struct Inner {
@@ -44,6 +46,16 @@ impl Proxy {
                 metrics,
                 max_body,
             }),
+            keep_host: false,
+        }
+    }
+
+    /// The same proxy, forwarding the client's own `Host` header (transparent mode: the
+    /// client named the store itself) instead of the upstream's authority.
+    pub fn keeping_host(self) -> Self {
+        Self {
+            keep_host: true,
+            ..self
         }
     }
 
@@ -65,16 +77,23 @@ impl Proxy {
                 (route.name, res)
             }
             Ok(None) => ("forward", self.forward(req, peer).await),
-            Err(ambiguous) => ("ambiguous", error(StatusCode::BAD_REQUEST, "ambiguous_path", ambiguous, None)),
+            Err(ambiguous) => (
+                "ambiguous",
+                error(StatusCode::BAD_REQUEST, "ambiguous_path", ambiguous, None),
+            ),
         };
         inner.metrics.request(route_name, res.status().as_u16());
         res
     }
 
     /// Forwards a request as is (streaming both ways), minus hop-by-hop headers, plus
-    /// `X-Forwarded-For`.
-    async fn forward(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
+    /// `X-Forwarded-For`. An `Upgrade` request (WebSocket) keeps its upgrade headers and, when
+    /// the store switches protocols, becomes a tunnel copying bytes both ways. The upstream
+    /// timeout runs from the end of the client's body to the response head.
+    async fn forward(&self, mut req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
         let upstream = &self.inner.upstream;
+        let upgrade = passthrough::upgrade_requested(req.headers());
+        let client_upgrade = upgrade.as_ref().map(|_| hyper::upgrade::on(&mut req));
         let (mut parts, body) = req.into_parts();
         let pq = parts.uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
         parts.uri = match upstream.uri(pq) {
@@ -82,14 +101,28 @@ impl Proxy {
             Err(e) => return error(StatusCode::BAD_REQUEST, "invalid_path", e, None),
         };
         crate::http::strip_hop_by_hop(&mut parts.headers);
-        parts.headers.remove(header::HOST);
+        if let Some(protocol) = upgrade {
+            passthrough::keep_upgrade(&mut parts.headers, protocol);
+        }
+        if !self.keep_host {
+            parts.headers.remove(header::HOST);
+        }
         append_forwarded_for(&mut parts.headers, peer);
         parts.version = http::Version::HTTP_11;
+        let (body, body_sent) = passthrough::Reported::new(body);
         let req = Request::from_parts(parts, body.map_err(Into::into).boxed());
-        match upstream.send(req).await {
-            Ok(res) => {
+        match upstream.send_streaming(req, body_sent).await {
+            Ok(mut res) => {
+                let switched = res.status() == StatusCode::SWITCHING_PROTOCOLS;
+                let res_protocol = res.headers().get(header::UPGRADE).cloned();
+                if let (true, Some(client)) = (switched, client_upgrade) {
+                    passthrough::tunnel(client, hyper::upgrade::on(&mut res));
+                }
                 let (mut parts, body) = res.into_parts();
                 crate::http::strip_hop_by_hop(&mut parts.headers);
+                if let (true, Some(protocol)) = (switched, res_protocol) {
+                    passthrough::keep_upgrade(&mut parts.headers, protocol);
+                }
                 Response::from_parts(parts, body.map_err(Into::into).boxed())
             }
             Err(e) => error(e.status(), e.code(), e, None),
