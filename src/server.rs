@@ -64,6 +64,7 @@ pub async fn serve_with<H, F>(
         .max_buf_size(MAX_HEAD_BYTES)
         .keep_alive(true);
     let connections = tokio_util::task::TaskTracker::new();
+    let own = listener.local_addr().ok();
     loop {
         let Some((stream, peer)) = accept(&listener, &shutdown).await else {
             break;
@@ -84,7 +85,17 @@ pub async fn serve_with<H, F>(
         });
         let builder = builder.clone();
         let shutdown = shutdown.clone();
+        let intercepted = conn
+            .original_dst
+            .filter(|dst| !own.is_some_and(|own| crate::transparent::is_own(*dst, own)));
         connections.spawn(async move {
+            // Transparent mode: what is not HTTP goes to its destination as raw TCP.
+            if let Some(dst) = intercepted {
+                if !crate::transparent::speaks_http(&stream).await {
+                    crate::transparent::splice(stream, peer, dst).await;
+                    return;
+                }
+            }
             // With upgrades: a WebSocket request passed through becomes a tunnel.
             let conn = builder.serve_connection(TokioIo::new(stream), service).with_upgrades();
             tokio::pin!(conn);

@@ -91,6 +91,12 @@ pub struct Upstream {
     base_path: String,
     timeout: Duration,
     metrics: Metrics,
+    /// A `Via` entry added to every request (transparent mode: lets the sidecar recognize
+    /// its own requests coming back to it).
+    via: Option<HeaderValue>,
+    /// Send the client's own `Host` (transparent mode: the client named the store itself)
+    /// rather than this upstream's authority.
+    keep_host: bool,
 }
 
 impl Upstream {
@@ -125,7 +131,33 @@ impl Upstream {
             base_path: uri.path().trim_end_matches('/').to_owned(),
             timeout,
             metrics,
+            via: None,
+            keep_host: false,
         })
+    }
+
+    /// The same upstream, adding `via` to the `Via` header of every request.
+    pub fn with_via(self, via: HeaderValue) -> Self {
+        Self { via: Some(via), ..self }
+    }
+
+    /// The same upstream, given the client's own `Host` header where a request has one.
+    pub fn keeping_host(self) -> Self {
+        Self {
+            keep_host: true,
+            ..self
+        }
+    }
+
+    /// Whether requests forwarded for a client keep the client's `Host` header.
+    pub fn keeps_host(&self) -> bool {
+        self.keep_host
+    }
+
+    fn add_via(&self, req: &mut Request<Body>) {
+        if let Some(via) = &self.via {
+            req.headers_mut().append(header::VIA, via.clone());
+        }
     }
 
     /// The store's URI for a request path (and query) as the agent sent it.
@@ -138,7 +170,8 @@ impl Upstream {
     }
 
     /// Sends a request, waiting at most the timeout for the response head. The body streams.
-    pub async fn send(&self, req: Request<Body>) -> Result<Response<Incoming>, UpstreamError> {
+    pub async fn send(&self, mut req: Request<Body>) -> Result<Response<Incoming>, UpstreamError> {
+        self.add_via(&mut req);
         match tokio::time::timeout(self.timeout, self.client.request(req)).await {
             Err(_) => Err(UpstreamError::Timeout(self.timeout)),
             Ok(Err(e)) => Err(UpstreamError::Unreachable(error_chain(&e))),
@@ -151,9 +184,10 @@ impl Upstream {
     /// the client's own upload; an answer that comes before the body is complete is taken.
     pub async fn send_streaming(
         &self,
-        req: Request<Body>,
+        mut req: Request<Body>,
         body_sent: impl std::future::Future<Output = ()>,
     ) -> Result<Response<Incoming>, UpstreamError> {
+        self.add_via(&mut req);
         let res = self.client.request(req);
         tokio::pin!(res);
         tokio::select! {

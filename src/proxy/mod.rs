@@ -25,7 +25,6 @@ use crate::upstream::Upstream;
 #[derive(Clone)]
 pub struct Proxy {
     inner: Arc<Inner>,
-    keep_host: bool,
 }
 
 struct Inner {
@@ -46,21 +45,16 @@ impl Proxy {
                 metrics,
                 max_body,
             }),
-            keep_host: false,
-        }
-    }
-
-    /// The same proxy, forwarding the client's own `Host` header (transparent mode: the
-    /// client named the store itself) instead of the upstream's authority.
-    pub fn keeping_host(self) -> Self {
-        Self {
-            keep_host: true,
-            ..self
         }
     }
 
     pub fn pipeline(&self) -> &Pipeline {
         &self.inner.pipeline
+    }
+
+    /// Whether nothing uses this proxy but the caller: no request in it, no write running.
+    pub fn is_idle(&self) -> bool {
+        Arc::strong_count(&self.inner) == 1 && self.inner.pipeline.is_idle()
     }
 
     /// Serves one request from the agent at `peer`.
@@ -104,7 +98,7 @@ impl Proxy {
         if let Some(protocol) = upgrade {
             passthrough::keep_upgrade(&mut parts.headers, protocol);
         }
-        if !self.keep_host {
+        if !upstream.keeps_host() {
             parts.headers.remove(header::HOST);
         }
         append_forwarded_for(&mut parts.headers, peer);

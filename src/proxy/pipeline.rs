@@ -118,6 +118,11 @@ impl Pipeline {
         self.shared.tracker.wait().await;
     }
 
+    /// Whether no write is running (no leader task alive).
+    pub fn is_idle(&self) -> bool {
+        self.shared.tracker.is_empty()
+    }
+
     /// Runs one write to its answer.
     pub async fn submit(&self, write: WriteRequest) -> Answer {
         let s = &self.shared;
@@ -751,7 +756,9 @@ async fn serialize_batch(s: &Shared, queue: &Queue, lease: &Lease, batch: &[Pend
         }
         let mut headers = headers.clone();
         strip_hop_by_hop(&mut headers);
-        headers.remove(header::HOST);
+        if !s.upstream.keeps_host() {
+            headers.remove(header::HOST);
+        }
         headers.remove(header::CONTENT_LENGTH);
         headers.insert(FENCING_TOKEN, HeaderValue::from(lease.fence()));
         let uri = match s.upstream.uri(path_and_query) {
