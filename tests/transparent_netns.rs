@@ -422,6 +422,13 @@ fn many_destinations_the_host_header_and_non_http_traffic_are_served_and_a_loop_
         ],
     );
     lab.wait_for(&format!("http://{STORE_IP}:{STORE_PORT}/"));
+    let routes = std::env::temp_dir().join(format!("{pod}.routes.toml"));
+    std::fs::write(
+        &routes,
+        "[[route]]\nmethod = \"POST\"\npath = \"/threads/{session}/events\"\nturn = { header = \"X-Turn\" }\nmode = \"serialize\"\n",
+    )
+    .expect("routes file");
+    let routes = routes.to_str().expect("path").to_owned();
     let sidecar = |lab: &mut Lab, uid: &str| {
         lab.spawn(
             &pod,
@@ -436,6 +443,8 @@ fn many_destinations_the_host_header_and_non_http_traffic_are_served_and_a_loop_
                 &format!("127.0.0.1:{ADMIN_PORT}"),
                 "--redis",
                 &format!("redis://127.0.0.1:{REDIS_PORT}"),
+                "--routes",
+                &routes,
             ],
         )
     };
@@ -469,6 +478,32 @@ fn many_destinations_the_host_header_and_non_http_traffic_are_served_and_a_loop_
     let seen: Value = serde_json::from_str(&body).expect("echo");
     assert_eq!(seen["host"], "store.example.com:8080", "{seen}");
     assert!(seen["via"].as_str().is_some_and(|v| v.contains("turnlock")), "{seen}");
+
+    // A serialize write keeps it too: the store gets the agent's request, under the lock.
+    let (status, body) = lab.curl(&[
+        "-X",
+        "POST",
+        "-H",
+        "Host: store.example.com:8080",
+        "-H",
+        "X-Turn: 3",
+        "--data",
+        "{}",
+        &format!("http://{STORE_IP}:{STORE_PORT}/threads/t1/events"),
+    ]);
+    assert_eq!(status, 200, "{body}");
+    let seen: Value = serde_json::from_str(&body).expect("echo");
+    assert_eq!(seen["host"], "store.example.com:8080", "{seen}");
+    let (status, body) = lab.curl(&[
+        "-X",
+        "POST",
+        "-H",
+        "X-Turn: 2",
+        "--data",
+        "{}",
+        &format!("http://{STORE_IP}:{STORE_PORT}/threads/t1/events"),
+    ]);
+    assert_eq!(status, 409, "a stale serialize write is refused by the sidecar: {body}");
 
     // 200 distinct destinations, one after another, twice: none is refused for good.
     let started = Instant::now();
@@ -521,6 +556,7 @@ fn many_destinations_the_host_header_and_non_http_traffic_are_served_and_a_loop_
     let fds = fd_count(wrong);
     assert!(fds < 100, "the loop used {fds} descriptors");
     eprintln!("TRANSPARENT loop refused in {:?}; descriptors {fds}", started.elapsed());
+    let _ = std::fs::remove_file(&routes);
 }
 
 fn nix_euid() -> u32 {

@@ -35,12 +35,12 @@ pub fn readings(path: &str) -> Vec<Vec<String>> {
             all.push(reading);
         }
     };
-    // A store that does not resolve dot segments.
-    if path.contains('.') {
+    let upper = path.to_ascii_uppercase();
+    // A store that does not resolve dot segments (spelled `.` or `%2E`).
+    if path.contains('.') || upper.contains("%2E") {
         add(segments(path, false));
     }
     // A store that decodes `%2F` (or reads `\` / `%5C`) as a separator.
-    let upper = path.to_ascii_uppercase();
     if upper.contains("%2F") || upper.contains("%5C") || path.contains('\\') {
         let split = replace_ci(&replace_ci(path, "%2F", "/"), "%5C", "/").replace('\\', "/");
         add(segments(&split, true));
@@ -151,6 +151,8 @@ mod tests {
         assert!(r.contains(&vec!["a".into(), "x".into(), "y".into(), "c".into()]));
         let r = readings("/a/b;v=1/c");
         assert!(r.contains(&vec!["a".into(), "b".into(), "c".into()]));
+        let r = readings("/v1/sessions/%2e%2E/messages");
+        assert!(r.contains(&vec!["v1".into(), "sessions".into(), "..".into(), "messages".into()]));
         let r = readings("/a\\b");
         assert!(r.contains(&vec!["a".into(), "b".into()]));
     }
