@@ -177,19 +177,28 @@ struct Inner {
     own: SocketAddr,
     /// This process's `Via` entry: a request that already carries it came back to us.
     via: http::HeaderValue,
-    by_dst: Mutex<Cache>,
+    by_dst: Mutex<Cache<Proxy>>,
 }
 
-#[derive(Default)]
-struct Cache {
-    live: HashMap<SocketAddr, Entry>,
+/// The proxies of recent destinations (`P` is [`Proxy`]; generic only for the tests).
+struct Cache<P> {
+    live: HashMap<SocketAddr, Entry<P>>,
     /// Dropped from `live` while still serving requests: kept until idle, for the drain.
-    retired: Vec<Proxy>,
+    retired: Vec<P>,
 }
 
-struct Entry {
-    proxy: Proxy,
+struct Entry<P> {
+    proxy: P,
     used: Instant,
+}
+
+impl<P> Default for Cache<P> {
+    fn default() -> Self {
+        Self {
+            live: HashMap::new(),
+            retired: Vec::new(),
+        }
+    }
 }
 
 // === impl Destinations ===
@@ -246,7 +255,7 @@ impl Destinations {
             e.used = now;
             return Ok(e.proxy.clone());
         }
-        cache.make_room(now);
+        cache.make_room(now, Proxy::is_idle);
         let upstream = self
             .inner
             .factory
@@ -285,13 +294,14 @@ impl Destinations {
 
 // === impl Cache ===
 
-impl Cache {
-    /// Drops idle destinations, then the least recently used ones while the cache is full.
-    fn make_room(&mut self, now: Instant) {
+impl<P> Cache<P> {
+    /// Drops destinations unused for [`DESTINATION_IDLE`], then the least recently used ones
+    /// while [`MAX_DESTINATIONS`] are kept; forgets retired ones `is_idle` says are done.
+    fn make_room(&mut self, now: Instant, is_idle: impl Fn(&P) -> bool) {
         let expired: Vec<SocketAddr> = self
             .live
             .iter()
-            .filter(|(_, e)| now.duration_since(e.used) >= DESTINATION_IDLE)
+            .filter(|(_, e)| now.saturating_duration_since(e.used) >= DESTINATION_IDLE)
             .map(|(dst, _)| *dst)
             .collect();
         for dst in expired {
@@ -303,7 +313,7 @@ impl Cache {
             };
             self.retire(oldest);
         }
-        self.retired.retain(|p| !p.is_idle());
+        self.retired.retain(|p| !is_idle(p));
     }
 
     fn retire(&mut self, dst: SocketAddr) {
@@ -472,6 +482,39 @@ mod tests {
         assert!(uid < redirect, "the proxy's own traffic must be excluded first");
         assert!(rules.contains("-j REDIRECT --to-ports 7070"));
         assert!(rules.contains("-A OUTPUT -p tcp -j TURNLOCK_OUTPUT"));
+    }
+
+    fn dst(i: usize) -> SocketAddr {
+        SocketAddr::from(([198, 18, (i / 250) as u8, (i % 250) as u8], 8080))
+    }
+
+    #[test]
+    fn the_destination_cache_drops_the_least_recently_used_and_the_idle() {
+        let mut cache: Cache<usize> = Cache::default();
+        let start = Instant::now();
+        for i in 0..200 {
+            let now = start + Duration::from_millis(i as u64);
+            // Destination 0 stays in use all along.
+            if let Some(e) = cache.live.get_mut(&dst(0)) {
+                e.used = now;
+            }
+            cache.make_room(now, |_| false);
+            cache.live.insert(dst(i), Entry { proxy: i, used: now });
+            assert!(cache.live.len() <= MAX_DESTINATIONS);
+        }
+        assert!(cache.live.contains_key(&dst(0)), "the destination in use was dropped");
+        assert!(cache.live.contains_key(&dst(199)));
+        assert!(!cache.live.contains_key(&dst(1)), "the least recently used was kept");
+        assert_eq!(cache.retired.len(), 200 - MAX_DESTINATIONS);
+        // Retired proxies are forgotten once idle; unused destinations expire.
+        let later = start + DESTINATION_IDLE + Duration::from_secs(1);
+        cache.make_room(later, |_| true);
+        assert!(cache.retired.is_empty());
+        assert!(
+            cache.live.is_empty(),
+            "{} destinations outlived their idle time",
+            cache.live.len()
+        );
     }
 
     #[test]
