@@ -2,9 +2,12 @@
 //! "pod" (agent, sidecar, Redis) and a "store" host joined by a veth pair. `turnlock
 //! init-iptables` installs the nat rules in the pod; the agent (curl, as root) writes to the
 //! store's own address and never learns of the sidecar, yet its append is served by turnlock.
+//! A second lab checks what else crosses an intercepted port: 200 destinations (more than the
+//! sidecar keeps at once), the agent's own `Host`, Redis traffic passed through as raw TCP, and
+//! a sidecar running as the wrong user refusing its own looped-back connections.
 //!
 //! Needs root, `ip` (iproute2), `iptables` / `iptables-restore`, `setpriv` (util-linux), `curl`,
-//! `redis-server` and `redis-cli`. A missing one fails the test; it is never skipped.
+//! `python3` (a store that echoes the headers it gets), `redis-server` and `redis-cli`. A missing one fails the test; it is never skipped.
 
 mod common;
 
