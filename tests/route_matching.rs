@@ -82,6 +82,14 @@ async fn send_raw(addr: SocketAddr, method: Method, path: &str, headers: &[(&str
     (status, serde_json::from_slice(&bytes).unwrap_or(Value::Null))
 }
 
+/// Proxy settings for these tests: a lock budget generous enough for a loaded machine, since
+/// what they check is which requests are writes, not how fast the lock is.
+fn args_for(upstream: SocketAddr, redis: Option<&RedisServer>) -> turnlock::config::ProxyArgs {
+    let mut args = proxy_args(upstream, redis);
+    args.lock_budget_ms = 2000;
+    args
+}
+
 fn routes_file(dir: &tempfile::TempDir, text: &str) -> String {
     let path = dir.path().join("routes.toml");
     std::fs::write(&path, text).expect("write routes");
@@ -95,12 +103,12 @@ async fn every_spelling_of_a_serialize_route_is_locked_and_stale_checked() {
     let (store, seen) = event_store().await;
     let redis = RedisServer::start();
     let dir = tempfile::tempdir().expect("tempdir");
-    let mut args = proxy_args(store, Some(&redis));
+    let mut args = args_for(store, Some(&redis));
     args.routes = Some(routes_file(&dir, EVENTS_ROUTE));
     let proxy = proxy(args).await;
 
     // The route is configured with a trailing slash: its own path is a write.
-    let (status, _) = send_raw(
+    let (status, body) = send_raw(
         proxy.addr,
         Method::POST,
         "/api/threads/t1/events/",
@@ -108,7 +116,7 @@ async fn every_spelling_of_a_serialize_route_is_locked_and_stale_checked() {
         json!({}),
     )
     .await;
-    assert_eq!(status, 201);
+    assert_eq!(status, 201, "{body}");
 
     let spellings = [
         "/api/threads/t1/events/",
@@ -167,7 +175,7 @@ async fn every_spelling_of_a_serialize_route_is_locked_and_stale_checked() {
 #[tokio::test]
 async fn every_spelling_of_a_canonical_write_is_served_as_that_write() {
     let store = store().await;
-    let proxy = proxy(proxy_args(store.addr, None)).await;
+    let proxy = proxy(args_for(store.addr, None)).await;
     let append = |turn: u64, id: &str| json!({"turn": turn, "messages": [{"id": id, "role": "user", "content": "x"}]});
     let (status, _) = send_raw(
         proxy.addr,
@@ -216,7 +224,7 @@ async fn every_spelling_of_a_canonical_write_is_served_as_that_write() {
 async fn a_header_route_refuses_a_disagreeing_session_turn_header() {
     let (store, seen) = event_store().await;
     let dir = tempfile::tempdir().expect("tempdir");
-    let mut args = proxy_args(store, None);
+    let mut args = args_for(store, None);
     args.routes = Some(routes_file(&dir, EVENTS_ROUTE));
     let proxy = proxy(args).await;
     let (status, body) = send_raw(
