@@ -375,28 +375,30 @@ pub async fn speaks_http(stream: &TcpStream) -> bool {
 }
 
 /// `Some(true)` for the start of an HTTP/1 request line, `Some(false)` for anything else,
-/// `None` while too few bytes have come to tell.
+/// `None` while too few bytes have come to tell. A request line is a method token (any: a
+/// routes file may configure `PROPPATCH` or `MERGE`), a space, and a target that starts with
+/// `/`, `*` or `http` (an authority after `CONNECT`). The HTTP/2 preface (`PRI * …`) counts:
+/// the HTTP/1 server refuses it rather than letting it pass around the lock.
 fn http_request_line(start: &[u8]) -> Option<bool> {
-    const METHODS: [&[u8]; 10] = [
-        b"GET ",
-        b"HEAD ",
-        b"POST ",
-        b"PUT ",
-        b"DELETE ",
-        b"PATCH ",
-        b"OPTIONS ",
-        b"CONNECT ",
-        b"TRACE ",
-        // The HTTP/2 preface: refused by the HTTP/1 server rather than passed around the lock.
-        b"PRI ",
-    ];
-    if METHODS.iter().any(|m| start.starts_with(m)) {
-        return Some(true);
+    const MAX_METHOD: usize = 20;
+    let Some(space) = start.iter().position(|b| *b == b' ') else {
+        let token_so_far = start.len() <= MAX_METHOD && start.iter().all(is_method_char);
+        return if token_so_far { None } else { Some(false) };
+    };
+    let method = &start[..space];
+    if method.is_empty() || method.len() > MAX_METHOD || !method.iter().all(is_method_char) {
+        return Some(false);
     }
-    if METHODS.iter().any(|m| m.starts_with(start)) {
-        return None;
+    match start.get(space + 1) {
+        None => None,
+        Some(_) if method == b"CONNECT" => Some(true),
+        Some(b'/' | b'*' | b'h' | b'H') => Some(true),
+        Some(_) => Some(false),
     }
-    Some(false)
+}
+
+fn is_method_char(b: &u8) -> bool {
+    b.is_ascii_uppercase() || *b == b'-' || *b == b'_'
 }
 
 /// The local addresses of this process's raw TCP connections to original destinations: one
@@ -522,6 +524,13 @@ mod tests {
         assert_eq!(http_request_line(b"GET / HTTP/1.1"), Some(true));
         assert_eq!(http_request_line(b"POST /v1"), Some(true));
         assert_eq!(http_request_line(b"PO"), None);
+        assert_eq!(http_request_line(b"POST "), None);
+        assert_eq!(http_request_line(b"PROPPATCH /d"), Some(true));
+        assert_eq!(http_request_line(b"GET http://h/"), Some(true));
+        assert_eq!(http_request_line(b"CONNECT h:443"), Some(true));
+        assert_eq!(http_request_line(b"PRI * HTTP/2.0"), Some(true));
+        assert_eq!(http_request_line(b"SET k v\r\n"), Some(false));
+        assert_eq!(http_request_line(b"GET key\r\n"), Some(false));
         assert_eq!(http_request_line(b"*1\r\n$4\r\nPING"), Some(false));
         assert_eq!(http_request_line(b"PING\r\n"), Some(false));
         assert_eq!(http_request_line(&[0x16, 0x03, 0x01]), Some(false));
