@@ -149,6 +149,11 @@ impl Upstream {
         }
     }
 
+    /// The longest wait for the store.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
     /// Whether requests forwarded for a client keep the client's `Host` header.
     pub fn keeps_host(&self) -> bool {
         self.keep_host
@@ -180,19 +185,23 @@ impl Upstream {
     }
 
     /// Sends a request whose body streams from the client. The timeout bounds the wait for
-    /// the response head once `body_sent` resolved (the whole body handed to the store), not
-    /// the client's own upload; an answer that comes before the body is complete is taken.
+    /// the response head once `body_sent` resolved `true` (the whole body handed to the
+    /// store), not the client's own upload; an answer that comes before the body is complete
+    /// is taken. `body_sent` resolving `false` means the store stopped taking the body: a
+    /// timeout as well.
     pub async fn send_streaming(
         &self,
         mut req: Request<Body>,
-        body_sent: impl std::future::Future<Output = ()>,
+        body_sent: impl std::future::Future<Output = bool>,
     ) -> Result<Response<Incoming>, UpstreamError> {
         self.add_via(&mut req);
         let res = self.client.request(req);
         tokio::pin!(res);
         tokio::select! {
             r = &mut res => return r.map_err(|e| UpstreamError::Unreachable(error_chain(&e))),
-            _ = body_sent => {}
+            sent = body_sent => if !sent {
+                return Err(UpstreamError::Timeout(self.timeout));
+            }
         }
         match tokio::time::timeout(self.timeout, res).await {
             Err(_) => Err(UpstreamError::Timeout(self.timeout)),

@@ -94,6 +94,52 @@ async fn a_store_silent_after_the_upload_still_times_out() {
     );
 }
 
+/// A store that accepts connections and never reads from them.
+async fn deaf_store() -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((stream, _)) = listener.accept().await {
+            held.push(stream);
+        }
+    });
+    addr
+}
+
+#[tokio::test]
+async fn a_store_that_stops_taking_the_upload_times_out() {
+    let store = deaf_store().await;
+    let mut args = proxy_args(store, None);
+    args.upstream_timeout_ms = 300;
+    let proxy = proxy(args).await;
+    // 64 MiB offered at once: far more than the socket buffers between proxy and store hold.
+    const LEN: usize = 64 * 1024 * 1024;
+    let mut client = TcpStream::connect(proxy.addr).await.expect("connect");
+    let head = format!("POST /uploads/huge HTTP/1.1\r\nhost: store\r\ncontent-length: {LEN}\r\n\r\n");
+    client.write_all(head.as_bytes()).await.expect("head");
+    let (mut read, mut write) = client.into_split();
+    let upload = tokio::spawn(async move {
+        let chunk = vec![b'x'; 1024 * 1024];
+        for _ in 0..LEN / chunk.len() {
+            if write.write_all(&chunk).await.is_err() {
+                return;
+            }
+        }
+    });
+    let started = Instant::now();
+    let mut answer = vec![0u8; 512];
+    let n = tokio::time::timeout(Duration::from_secs(10), read.read(&mut answer))
+        .await
+        .expect("an answer within 10 s")
+        .expect("read");
+    let answer = String::from_utf8_lossy(&answer[..n]).into_owned();
+    assert!(answer.starts_with("HTTP/1.1 504"), "{answer}");
+    assert!(answer.contains("upstream_timeout"), "{answer}");
+    assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
+    upload.abort();
+}
+
 /// A WebSocket-style server on raw TCP: answers a request carrying `Upgrade: websocket` with
 /// 101, then echoes every byte; anything else gets 426.
 async fn upgrade_echo_server() -> SocketAddr {

@@ -103,7 +103,7 @@ impl Proxy {
         }
         append_forwarded_for(&mut parts.headers, peer);
         parts.version = http::Version::HTTP_11;
-        let (body, body_sent) = passthrough::Reported::new(body);
+        let (body, body_sent) = passthrough::Reported::new(body, upstream.timeout());
         let req = Request::from_parts(parts, body.map_err(Into::into).boxed());
         match upstream.send_streaming(req, body_sent).await {
             Ok(mut res) => {

@@ -2,7 +2,9 @@
 //! body has been sent (the upstream timeout starts there), and WebSocket / `Upgrade` tunnels.
 
 use std::pin::Pin;
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderValue};
@@ -11,23 +13,45 @@ use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use tokio::sync::oneshot;
 
-/// A request body that reports when it has been read to its end (or failed, or was dropped).
+/// A request body that reports when it has been read to its end (or failed, or was dropped),
+/// and notices a store that stopped taking it.
 pub struct Reported {
     inner: Incoming,
     done: Option<oneshot::Sender<()>>,
+    /// When the last frame was handed over and not yet followed by another poll: the store's
+    /// side is not taking more. `None` while waiting for the client.
+    handed: Arc<Mutex<Option<Instant>>>,
 }
 
 impl Reported {
-    /// The body, and a future that resolves once the body is complete.
-    pub fn new(inner: Incoming) -> (Self, impl std::future::Future<Output = ()>) {
-        let (tx, rx) = oneshot::channel();
-        let mut body = Self { inner, done: Some(tx) };
+    /// The body, and a future that resolves `true` once the body is complete, or `false` when
+    /// the store took no more of it for `stall` although the client had sent more.
+    pub fn new(inner: Incoming, stall: Duration) -> (Self, impl std::future::Future<Output = bool>) {
+        let (tx, mut rx) = oneshot::channel();
+        let handed = Arc::new(Mutex::new(None));
+        let mut body = Self {
+            inner,
+            done: Some(tx),
+            handed: handed.clone(),
+        };
         if body.inner.is_end_stream() {
             body.finish();
         }
-        (body, async move {
-            let _ = rx.await;
-        })
+        let tick = (stall / 4).max(Duration::from_millis(10));
+        let sent = async move {
+            loop {
+                tokio::select! {
+                    _ = &mut rx => return true,
+                    _ = tokio::time::sleep(tick) => {
+                        let since = *lock(&handed);
+                        if since.is_some_and(|t| t.elapsed() >= stall) {
+                            return false;
+                        }
+                    }
+                }
+            }
+        };
+        (body, sent)
     }
 
     fn finish(&mut self) {
@@ -37,16 +61,25 @@ impl Reported {
     }
 }
 
+fn lock(m: &Mutex<Option<Instant>>) -> std::sync::MutexGuard<'_, Option<Instant>> {
+    match m.lock() {
+        Ok(g) => g,
+        Err(poisoned) => poisoned.into_inner(),
+    }
+}
+
 impl HttpBody for Reported {
     type Data = Bytes;
     type Error = hyper::Error;
 
     fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        *lock(&self.handed) = None;
         let polled = Pin::new(&mut self.inner).poll_frame(cx);
         match &polled {
             Poll::Ready(None) | Poll::Ready(Some(Err(_))) => self.finish(),
             Poll::Ready(Some(Ok(_))) if self.inner.is_end_stream() => self.finish(),
-            _ => {}
+            Poll::Ready(Some(Ok(_))) => *lock(&self.handed) = Some(Instant::now()),
+            Poll::Pending => {}
         }
         polled
     }
