@@ -180,9 +180,17 @@ struct Inner {
     by_dst: Mutex<Cache<Proxy>>,
 }
 
+/// One store as the agent reached it: the original destination, and the `Host` it named
+/// (name-based virtual hosting: two names at one address are two stores).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct Destination {
+    addr: SocketAddr,
+    host: Option<http::HeaderValue>,
+}
+
 /// The proxies of recent destinations (`P` is [`Proxy`]; generic only for the tests).
 struct Cache<P> {
-    live: HashMap<SocketAddr, Entry<P>>,
+    live: HashMap<Destination, Entry<P>>,
     /// Dropped from `live` while still serving requests: kept until idle, for the drain.
     retired: Vec<P>,
 }
@@ -224,7 +232,8 @@ impl Destinations {
                 if self.came_back(&req) {
                     return forwarding_loop(dst);
                 }
-                match self.for_dst(dst) {
+                let host = req.headers().get(http::header::HOST).cloned();
+                match self.for_dst(Destination { addr: dst, host }) {
                     Ok(p) => p,
                     Err((code, message)) => return error(StatusCode::BAD_GATEWAY, code, message, None),
                 }
@@ -245,7 +254,7 @@ impl Destinations {
     }
 
     /// The proxy for one original destination, or the error code and message to answer.
-    fn for_dst(&self, dst: SocketAddr) -> Result<Proxy, (&'static str, String)> {
+    fn for_dst(&self, dst: Destination) -> Result<Proxy, (&'static str, String)> {
         let mut cache = match self.inner.by_dst.lock() {
             Ok(g) => g,
             Err(poisoned) => poisoned.into_inner(),
@@ -256,14 +265,16 @@ impl Destinations {
             return Ok(e.proxy.clone());
         }
         cache.make_room(now, Proxy::is_idle);
-        let upstream = self
+        let mut upstream = self
             .inner
             .factory
-            .upstream(&format!("http://{dst}"))
+            .upstream(&format!("http://{}", dst.addr))
             .map_err(|e| ("upstream_unavailable", e))?
-            .with_via(self.inner.via.clone())
-            .keeping_host();
-        tracing::info!(%dst, "forwarding intercepted connections to their original destination");
+            .with_via(self.inner.via.clone());
+        if let Some(host) = &dst.host {
+            upstream = upstream.with_host(host.clone());
+        }
+        tracing::info!(dst = %dst.addr, host = ?dst.host, "forwarding intercepted connections to their original destination");
         let proxy = self.inner.factory.proxy(upstream);
         cache.live.insert(
             dst,
@@ -298,17 +309,17 @@ impl<P> Cache<P> {
     /// Drops destinations unused for [`DESTINATION_IDLE`], then the least recently used ones
     /// while [`MAX_DESTINATIONS`] are kept; forgets retired ones `is_idle` says are done.
     fn make_room(&mut self, now: Instant, is_idle: impl Fn(&P) -> bool) {
-        let expired: Vec<SocketAddr> = self
+        let expired: Vec<Destination> = self
             .live
             .iter()
             .filter(|(_, e)| now.saturating_duration_since(e.used) >= DESTINATION_IDLE)
-            .map(|(dst, _)| *dst)
+            .map(|(dst, _)| dst.clone())
             .collect();
         for dst in expired {
             self.retire(dst);
         }
         while self.live.len() >= MAX_DESTINATIONS {
-            let Some(oldest) = self.live.iter().min_by_key(|(_, e)| e.used).map(|(dst, _)| *dst) else {
+            let Some(oldest) = self.live.iter().min_by_key(|(_, e)| e.used).map(|(dst, _)| dst.clone()) else {
                 break;
             };
             self.retire(oldest);
@@ -316,9 +327,9 @@ impl<P> Cache<P> {
         self.retired.retain(|p| !is_idle(p));
     }
 
-    fn retire(&mut self, dst: SocketAddr) {
+    fn retire(&mut self, dst: Destination) {
         if let Some(e) = self.live.remove(&dst) {
-            tracing::debug!(%dst, "destination dropped from the cache");
+            tracing::debug!(dst = %dst.addr, host = ?dst.host, "destination dropped from the cache");
             self.retired.push(e.proxy);
         }
     }
@@ -486,8 +497,11 @@ mod tests {
         assert!(rules.contains("-A OUTPUT -p tcp -j TURNLOCK_OUTPUT"));
     }
 
-    fn dst(i: usize) -> SocketAddr {
-        SocketAddr::from(([198, 18, (i / 250) as u8, (i % 250) as u8], 8080))
+    fn dst(i: usize) -> Destination {
+        Destination {
+            addr: SocketAddr::from(([198, 18, (i / 250) as u8, (i % 250) as u8], 8080)),
+            host: None,
+        }
     }
 
     #[test]

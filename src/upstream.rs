@@ -94,9 +94,9 @@ pub struct Upstream {
     /// A `Via` entry added to every request (transparent mode: lets the sidecar recognize
     /// its own requests coming back to it).
     via: Option<HeaderValue>,
-    /// Send the client's own `Host` (transparent mode: the client named the store itself)
-    /// rather than this upstream's authority.
-    keep_host: bool,
+    /// The `Host` of every request, when it is not the authority of the URL (transparent
+    /// mode: the name the client gave the store it reached at this address).
+    host: Option<HeaderValue>,
 }
 
 impl Upstream {
@@ -132,7 +132,7 @@ impl Upstream {
             timeout,
             metrics,
             via: None,
-            keep_host: false,
+            host: None,
         })
     }
 
@@ -141,10 +141,10 @@ impl Upstream {
         Self { via: Some(via), ..self }
     }
 
-    /// The same upstream, given the client's own `Host` header where a request has one.
-    pub fn keeping_host(self) -> Self {
+    /// The same upstream, named `host` in the `Host` header of every request.
+    pub fn with_host(self, host: HeaderValue) -> Self {
         Self {
-            keep_host: true,
+            host: Some(host),
             ..self
         }
     }
@@ -154,14 +154,12 @@ impl Upstream {
         self.timeout
     }
 
-    /// Whether requests forwarded for a client keep the client's `Host` header.
-    pub fn keeps_host(&self) -> bool {
-        self.keep_host
-    }
-
-    fn add_via(&self, req: &mut Request<Body>) {
+    fn add_headers(&self, req: &mut Request<Body>) {
         if let Some(via) = &self.via {
             req.headers_mut().append(header::VIA, via.clone());
+        }
+        if let Some(host) = &self.host {
+            req.headers_mut().insert(header::HOST, host.clone());
         }
     }
 
@@ -176,7 +174,7 @@ impl Upstream {
 
     /// Sends a request, waiting at most the timeout for the response head. The body streams.
     pub async fn send(&self, mut req: Request<Body>) -> Result<Response<Incoming>, UpstreamError> {
-        self.add_via(&mut req);
+        self.add_headers(&mut req);
         match tokio::time::timeout(self.timeout, self.client.request(req)).await {
             Err(_) => Err(UpstreamError::Timeout(self.timeout)),
             Ok(Err(e)) => Err(UpstreamError::Unreachable(error_chain(&e))),
@@ -194,7 +192,7 @@ impl Upstream {
         mut req: Request<Body>,
         body_sent: impl std::future::Future<Output = bool>,
     ) -> Result<Response<Incoming>, UpstreamError> {
-        self.add_via(&mut req);
+        self.add_headers(&mut req);
         let res = self.client.request(req);
         tokio::pin!(res);
         tokio::select! {

@@ -332,10 +332,11 @@ fn agent_store_traffic_is_intercepted_without_the_agent_knowing() {
     );
 }
 
-/// An HTTP server for the store host that answers every GET and POST with the `Host` and
-/// `Via` headers it received, on every address of its host.
+/// An HTTP server for the store host that answers every GET, POST and PUT with the `Host`
+/// and `Via` headers it received (and the `Host` of the last PUT), on every address of its host.
 const ECHO_SERVER: &str = r#"
 import http.server, json
+LAST = {}
 class H(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     def do_GET(self):
@@ -343,8 +344,13 @@ class H(http.server.BaseHTTPRequestHandler):
     def do_POST(self):
         self.rfile.read(int(self.headers.get("content-length") or 0))
         self.reply()
+    def do_PUT(self):
+        self.rfile.read(int(self.headers.get("content-length") or 0))
+        LAST["put_host"] = self.headers.get("host")
+        self.reply()
     def reply(self):
-        body = json.dumps({"host": self.headers.get("host"), "via": self.headers.get("via")}).encode()
+        body = json.dumps({"host": self.headers.get("host"), "via": self.headers.get("via"),
+                           "put_host": LAST.get("put_host")}).encode()
         self.send_response(200)
         self.send_header("content-type", "application/json")
         self.send_header("content-length", str(len(body)))
@@ -507,6 +513,23 @@ fn many_destinations_the_host_header_and_non_http_traffic_are_served_and_a_loop_
         &format!("http://{STORE_IP}:{STORE_PORT}/threads/t1/events"),
     ]);
     assert_eq!(status, 409, "a stale serialize write is refused by the sidecar: {body}");
+
+    // So does a merge write: turnlock's own read and write-back name the store as the agent did.
+    let (status, body) = lab.curl(&[
+        "-X",
+        "POST",
+        "-H",
+        "Host: store.example.com:8080",
+        "-H",
+        "content-type: application/json",
+        "--data",
+        r#"{"turn": 1, "messages": [{"id": "m-1", "role": "user", "content": "hi"}]}"#,
+        &format!("http://{STORE_IP}:{STORE_PORT}/v1/sessions/s-9/messages"),
+    ]);
+    assert!((200..300).contains(&status), "{status} {body}");
+    let (_, body) = lab.curl(&[&format!("http://{STORE_IP}:{STORE_PORT}/anything")]);
+    let seen: Value = serde_json::from_str(&body).expect("echo");
+    assert_eq!(seen["put_host"], "store.example.com:8080", "{seen}");
 
     // 200 distinct destinations, one after another, twice: none is refused for good.
     let started = Instant::now();

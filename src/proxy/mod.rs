@@ -98,9 +98,7 @@ impl Proxy {
         if let Some(protocol) = upgrade {
             passthrough::keep_upgrade(&mut parts.headers, protocol);
         }
-        if !upstream.keeps_host() {
-            parts.headers.remove(header::HOST);
-        }
+        parts.headers.remove(header::HOST);
         append_forwarded_for(&mut parts.headers, peer);
         parts.version = http::Version::HTTP_11;
         let (body, body_sent) = passthrough::Reported::new(body, upstream.timeout());

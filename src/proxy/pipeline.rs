@@ -756,9 +756,7 @@ async fn serialize_batch(s: &Shared, queue: &Queue, lease: &Lease, batch: &[Pend
         }
         let mut headers = headers.clone();
         strip_hop_by_hop(&mut headers);
-        if !s.upstream.keeps_host() {
-            headers.remove(header::HOST);
-        }
+        headers.remove(header::HOST);
         headers.remove(header::CONTENT_LENGTH);
         headers.insert(FENCING_TOKEN, HeaderValue::from(lease.fence()));
         let uri = match s.upstream.uri(path_and_query) {
