@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 
 missing=()
 for pair in redis-server:redis-server redis-cli:redis-tools ip:iproute2 iptables:iptables \
-    setpriv:util-linux curl:curl; do
+    setpriv:util-linux curl:curl python3:python3; do
   command -v "${pair%%:*}" >/dev/null 2>&1 || missing+=("${pair#*:}")
 done
 if [ ${#missing[@]} -gt 0 ]; then

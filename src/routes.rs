@@ -21,6 +21,8 @@
 //! document = "/api/docs/{session}"  # where the document is read and written back
 //! ```
 
+mod normalize;
+
 use http::Method;
 use serde::Deserialize;
 
@@ -61,10 +63,12 @@ pub struct Route {
     pub mode: Mode,
 }
 
-/// A path with one `{session}` segment.
+/// A path with one `{session}` segment, held normalized (see [`normalize`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Template {
     segments: Vec<Segment>,
+    /// Configured with a trailing slash: kept when the path is rendered for the store.
+    trailing_slash: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -81,40 +85,78 @@ pub enum RoutesError {
     Invalid { path: String, reason: String },
 }
 
+/// A request path that stores could read as different writes (another route or another
+/// session): refused rather than guessed, so no spelling of a write reaches the store unlocked.
+#[derive(Debug, thiserror::Error)]
+#[error("the path {path:?} is ambiguous: stores read it as different write routes or sessions; send it normalized")]
+pub struct AmbiguousPath {
+    pub path: String,
+}
+
 impl Template {
     pub fn parse(raw: &str) -> Result<Self, String> {
         if !raw.starts_with('/') {
             return Err(format!("path {raw:?} must start with '/'"));
         }
-        let segments: Vec<Segment> = raw
-            .trim_end_matches('/')
-            .split('/')
-            .skip(1)
-            .map(|s| match s {
-                "{session}" => Segment::Session,
-                lit => Segment::Literal(lit.to_owned()),
-            })
-            .collect();
+        if raw.contains('?') || raw.contains('#') {
+            return Err(format!(
+                "path {raw:?} must not hold a query string or fragment: routes match the path only"
+            ));
+        }
+        if !raw.is_ascii() {
+            return Err(format!(
+                "path {raw:?} holds non-ASCII text: write it percent-encoded, as it appears in a request"
+            ));
+        }
+        if let Some(c) = raw.chars().find(|c| !is_path_char(*c)) {
+            return Err(format!(
+                "path {raw:?} holds {c:?}, which a request path cannot carry as is"
+            ));
+        }
+        let trailing_slash = raw.len() > 1 && raw.ends_with('/');
+        let body = if trailing_slash {
+            &raw[1..raw.len() - 1]
+        } else {
+            &raw[1..]
+        };
+        let mut segments = Vec::new();
+        for part in body.split('/') {
+            let seg = normalize::decode_unreserved(part);
+            if seg == "{session}" {
+                segments.push(Segment::Session);
+            } else if seg.contains('{') || seg.contains('}') {
+                return Err(format!(
+                    "path {raw:?}: unknown placeholder in {part:?} (the only placeholder is {{session}}, a whole segment)"
+                ));
+            } else if seg.is_empty() || seg == "." || seg == ".." {
+                return Err(format!(
+                    "path {raw:?} holds an empty or dot segment, which stores normalize away"
+                ));
+            } else {
+                segments.push(Segment::Literal(seg));
+            }
+        }
         if segments.iter().filter(|s| **s == Segment::Session).count() != 1 {
             return Err(format!("path {raw:?} must contain exactly one {{session}} segment"));
         }
-        Ok(Self { segments })
+        Ok(Self {
+            segments,
+            trailing_slash,
+        })
     }
 
-    /// The raw session segment, when `path` matches.
-    pub fn matches<'a>(&self, path: &'a str) -> Option<&'a str> {
-        let mut parts = path.strip_prefix('/')?.split('/');
+    /// The session segment, when these normalized segments are this template's.
+    fn matches(&self, parts: &[String]) -> Option<String> {
+        if parts.len() != self.segments.len() {
+            return None;
+        }
         let mut session = None;
-        for seg in &self.segments {
-            let part = parts.next()?;
+        for (seg, part) in self.segments.iter().zip(parts) {
             match seg {
                 Segment::Literal(lit) if lit == part => {}
                 Segment::Literal(_) => return None,
-                Segment::Session => session = Some(part),
+                Segment::Session => session = Some(part.clone()),
             }
-        }
-        if parts.next().is_some() {
-            return None;
         }
         session
     }
@@ -129,8 +171,21 @@ impl Template {
                 Segment::Session => out.push_str(session),
             }
         }
+        if self.trailing_slash {
+            out.push('/');
+        }
         out
     }
+
+    /// The same path whatever the trailing slash: two routes that differ only by it are one.
+    fn same_path(&self, other: &Self) -> bool {
+        self.segments == other.segments
+    }
+}
+
+/// `pchar` and `/` of RFC 3986, plus the braces of the placeholder.
+fn is_path_char(c: char) -> bool {
+    c.is_ascii_alphanumeric() || "-._~!$&'()*+,;=:@%/{}".contains(c)
 }
 
 /// The configured write routes, matched in order.
@@ -169,6 +224,13 @@ impl Routes {
     /// The canonical API under `prefix`.
     pub fn canonical(prefix: &str) -> Result<Self, String> {
         let prefix = prefix.trim_end_matches('/');
+        if prefix.is_empty() {
+            return Err(
+                "session_prefix must name at least one path segment (e.g. \"/v1/sessions\"): with \"/\" every \
+                 single-segment PUT and PATCH would be a session write"
+                    .into(),
+            );
+        }
         let doc = Template::parse(&format!("{prefix}/{{session}}"))?;
         let body = || TurnSource::Body("/turn".into());
         let merge = |kind| Mode::Merge {
@@ -231,14 +293,19 @@ impl Routes {
     pub fn from_toml(text: &str, default_prefix: &str) -> Result<Self, String> {
         let file: File = toml::from_str(text).map_err(|e| e.to_string())?;
         let prefix = file.session_prefix.as_deref().unwrap_or(default_prefix);
-        let mut routes = Vec::new();
+        let mut routes: Vec<Route> = Vec::new();
         for (i, r) in file.route.into_iter().enumerate() {
             let at = |msg: String| format!("route #{}: {msg}", i + 1);
             let method = Method::from_bytes(r.method.to_ascii_uppercase().as_bytes())
                 .map_err(|_| at(format!("invalid method {:?}", r.method)))?;
             let path = Template::parse(&r.path).map_err(at)?;
             let turn = match (r.turn.body, r.turn.header) {
-                (Some(p), None) if p.is_empty() || p.starts_with('/') => TurnSource::Body(p),
+                (Some(p), None) if p.starts_with('/') => TurnSource::Body(p),
+                (Some(p), None) => {
+                    return Err(at(format!(
+                        "turn body {p:?} is not a JSON pointer: it must start with '/', e.g. \"/turn\""
+                    )))
+                }
                 (None, Some(h)) => TurnSource::Header(
                     http::HeaderName::from_bytes(h.as_bytes()).map_err(|_| at(format!("invalid header name {h:?}")))?,
                 ),
@@ -249,7 +316,15 @@ impl Routes {
                 }
             };
             let mode = match r.mode.as_str() {
-                "serialize" => Mode::Serialize,
+                "serialize" => {
+                    if r.kind.is_some() || r.document.is_some() {
+                        return Err(at(
+                            "mode \"serialize\" forwards the request unchanged: `kind` and `document` belong to mode \"merge\""
+                                .into(),
+                        ));
+                    }
+                    Mode::Serialize
+                }
                 "merge" => {
                     let kind = r
                         .kind
@@ -262,6 +337,16 @@ impl Routes {
                 }
                 other => return Err(at(format!("mode must be \"merge\" or \"serialize\", not {other:?}"))),
             };
+            if let Some(j) = routes
+                .iter()
+                .position(|o| o.method == method && o.path.same_path(&path))
+            {
+                return Err(at(format!(
+                    "{method} {:?} is already route #{} (a request matches one route only)",
+                    r.path,
+                    j + 1
+                )));
+            }
             routes.push(Route {
                 name: "custom",
                 method,
@@ -274,12 +359,31 @@ impl Routes {
         Ok(Self { routes })
     }
 
-    /// The write route for a request, with its raw session segment.
-    pub fn find<'a>(&self, method: &Method, path: &'a str) -> Option<(&Route, &'a str)> {
-        self.routes
-            .iter()
-            .filter(|r| r.method == *method)
-            .find_map(|r| r.path.matches(path).map(|s| (r, s)))
+    /// The write route for a request, with its session segment (normalized).
+    ///
+    /// The path is read every way a store could read it ([`normalize::readings`]): when any
+    /// reading is a write, the request is that write; when readings are different writes, the
+    /// path is refused as ambiguous.
+    pub fn find(&self, method: &Method, path: &str) -> Result<Option<(&Route, String)>, AmbiguousPath> {
+        if !self.routes.iter().any(|r| r.method == *method) {
+            return Ok(None);
+        }
+        let mut found: Option<(usize, String)> = None;
+        for reading in normalize::readings(path) {
+            let hit = self
+                .routes
+                .iter()
+                .enumerate()
+                .filter(|(_, r)| r.method == *method)
+                .find_map(|(i, r)| r.path.matches(&reading).map(|s| (i, s)));
+            match (&found, hit) {
+                (_, None) => {}
+                (None, Some(h)) => found = Some(h),
+                (Some(f), Some(h)) if *f == h => {}
+                (Some(_), Some(_)) => return Err(AmbiguousPath { path: path.to_owned() }),
+            }
+        }
+        Ok(found.and_then(|(i, s)| self.routes.get(i).map(|r| (r, s))))
     }
 }
 
@@ -287,20 +391,112 @@ impl Routes {
 mod tests {
     use super::*;
 
+    fn find<'a>(routes: &'a Routes, method: &Method, path: &str) -> Option<(&'a Route, String)> {
+        routes.find(method, path).expect("not ambiguous")
+    }
+
+    #[test]
+    fn every_spelling_of_a_canonical_write_matches_it() {
+        let routes = Routes::canonical("/v1/sessions").unwrap();
+        for path in [
+            "/v1/sessions/s1/messages/",
+            "/v1/sessions/s1/%6Dessages",
+            "/v1//sessions/s1/messages",
+            "/v1/sessions/%731/messages",
+            "/v1/sessions/s1/./messages",
+            "/v1/x/../sessions/s1/messages",
+            "/v1/sessions/s1/messages;v=1",
+        ] {
+            let (r, s) = find(&routes, &Method::POST, path).unwrap_or_else(|| panic!("{path} did not match"));
+            assert_eq!((r.name, s.as_str()), ("append", "s1"), "{path}");
+        }
+        assert_eq!(find(&routes, &Method::PUT, "/v1/sessions/s1/").unwrap().0.name, "put");
+    }
+
+    #[test]
+    fn paths_read_as_different_writes_are_ambiguous() {
+        let routes = Routes::canonical("/v1/sessions").unwrap();
+        for path in ["/v1/sessions/a;b/messages", "/v1/sessions/s2%2F..%2Fs1/messages"] {
+            assert!(routes.find(&Method::POST, path).is_err(), "{path}");
+        }
+        // Only one reading is a write: served as that write.
+        let (_, s) = find(&routes, &Method::POST, "/v1/sessions/s1/x/..%2F..%2Fs2/messages").unwrap();
+        assert_eq!(s, "s2");
+        // A session segment with an encoded slash is a write either way: refused as such.
+        assert!(routes.find(&Method::PUT, "/v1/sessions/a%2Fb").is_ok());
+    }
+
+    #[test]
+    fn a_route_configured_with_a_trailing_slash_matches_its_own_path() {
+        let toml =
+            "[[route]]\nmethod='POST'\npath='/api/threads/{session}/events/'\nturn={header='X-Turn'}\nmode='serialize'";
+        let routes = Routes::from_toml(toml, "/v1/sessions").unwrap();
+        for path in [
+            "/api/threads/t1/events/",
+            "/api/threads/t1/events",
+            "/api/threads/t1/%65vents",
+        ] {
+            assert_eq!(find(&routes, &Method::POST, path).unwrap().1, "t1", "{path}");
+        }
+        let doc = Template::parse("/docs/{session}/").unwrap();
+        assert_eq!(doc.render("d1"), "/docs/d1/");
+    }
+
+    #[test]
+    fn routes_file_mistakes_are_refused_at_load() {
+        let route = |extra: &str| format!("[[route]]\nmethod='POST'\nturn={{header='X-Turn'}}\n{extra}");
+        for (toml, needle) in [
+            (route("path='/x/{session}?a=1'\nmode='serialize'"), "query string"),
+            (
+                route("path='/x/{session}/{thread}'\nmode='serialize'"),
+                "unknown placeholder",
+            ),
+            (route("path='/x/{session}/é'\nmode='serialize'"), "non-ASCII"),
+            (
+                route("path='/x/{session}'\nmode='serialize'\nkind='append'"),
+                "`kind` and `document`",
+            ),
+            (
+                route("path='/x/{session}'\nmode='serialize'\ndocument='/x/{session}'"),
+                "`kind` and `document`",
+            ),
+            (route("path='/x//{session}'\nmode='serialize'"), "empty or dot segment"),
+            (
+                format!(
+                    "{}\n{}",
+                    route("path='/x/{session}'\nmode='serialize'"),
+                    route("path='/x/{session}/'\nmode='serialize'")
+                ),
+                "already route #1",
+            ),
+            (
+                "[[route]]\nmethod='POST'\npath='/x/{session}'\nturn={body=''}\nmode='serialize'".to_owned(),
+                "not a JSON pointer",
+            ),
+            ("session_prefix = '/'".to_owned(), "session_prefix"),
+        ] {
+            let err = Routes::from_toml(&toml, "/v1/sessions").unwrap_err();
+            assert!(err.contains(needle), "{err:?} lacks {needle:?}");
+        }
+    }
+
     #[test]
     fn canonical_routes_match_the_session_api() {
         let routes = Routes::canonical("/v1/sessions").unwrap();
-        let (r, s) = routes.find(&Method::POST, "/v1/sessions/s-1/messages").unwrap();
-        assert_eq!((r.name, s), ("append", "s-1"));
-        assert_eq!(routes.find(&Method::PUT, "/v1/sessions/s-1").unwrap().0.name, "put");
-        assert_eq!(routes.find(&Method::PATCH, "/v1/sessions/s-1").unwrap().0.name, "patch");
+        let (r, s) = find(&routes, &Method::POST, "/v1/sessions/s-1/messages").unwrap();
+        assert_eq!((r.name, s.as_str()), ("append", "s-1"));
+        assert_eq!(find(&routes, &Method::PUT, "/v1/sessions/s-1").unwrap().0.name, "put");
         assert_eq!(
-            routes.find(&Method::POST, "/v1/sessions/s-1/compact").unwrap().0.name,
+            find(&routes, &Method::PATCH, "/v1/sessions/s-1").unwrap().0.name,
+            "patch"
+        );
+        assert_eq!(
+            find(&routes, &Method::POST, "/v1/sessions/s-1/compact").unwrap().0.name,
             "compact"
         );
-        assert!(routes.find(&Method::GET, "/v1/sessions/s-1").is_none());
-        assert!(routes.find(&Method::POST, "/v1/sessions/s-1/messages/x").is_none());
-        assert!(routes.find(&Method::PUT, "/v2/sessions/s-1").is_none());
+        assert!(find(&routes, &Method::GET, "/v1/sessions/s-1").is_none());
+        assert!(find(&routes, &Method::POST, "/v1/sessions/s-1/messages/x").is_none());
+        assert!(find(&routes, &Method::PUT, "/v2/sessions/s-1").is_none());
     }
 
     #[test]
@@ -321,9 +517,9 @@ mod tests {
             document = "/docs/{session}"
         "#;
         let routes = Routes::from_toml(toml, "/v1/sessions").unwrap();
-        let (r, s) = routes.find(&Method::POST, "/threads/t9/events").unwrap();
-        assert_eq!((r.mode.clone(), s), (Mode::Serialize, "t9"));
-        let (r, _) = routes.find(&Method::POST, "/docs/d1/add").unwrap();
+        let (r, s) = find(&routes, &Method::POST, "/threads/t9/events").unwrap();
+        assert_eq!((r.mode.clone(), s.as_str()), (Mode::Serialize, "t9"));
+        let (r, _) = find(&routes, &Method::POST, "/docs/d1/add").unwrap();
         match &r.mode {
             Mode::Merge { kind, document } => {
                 assert_eq!(*kind, Kind::Append);
@@ -331,7 +527,7 @@ mod tests {
             }
             other => panic!("unexpected mode {other:?}"),
         }
-        assert!(routes.find(&Method::POST, "/ctx/s/messages").is_some());
+        assert!(find(&routes, &Method::POST, "/ctx/s/messages").is_some());
     }
 
     #[test]

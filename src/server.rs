@@ -11,7 +11,6 @@ use std::time::Duration;
 use http::{Request, Response};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
-use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -65,7 +64,10 @@ pub async fn serve_with<H, F>(
         .max_header_size(MAX_HEAD_BYTES)
         .max_buf_size(MAX_HEAD_BYTES)
         .keep_alive(true);
-    let graceful = GracefulShutdown::new();
+    let connections = tokio_util::task::TaskTracker::new();
+    let own = listener.local_addr().ok();
+    // Asks the connections still open after the linger to close once idle.
+    let graceful = CancellationToken::new();
     // Cancels the connections still open when the grace runs out.
     let hard_stop = CancellationToken::new();
     loop {
@@ -94,28 +96,50 @@ pub async fn serve_with<H, F>(
                 Ok::<_, std::convert::Infallible>(res)
             }
         });
-        let conn = builder.serve_connection(TokioIo::new(stream), service);
-        let conn = graceful.watch(conn);
-        let hard = hard_stop.clone();
-        tokio::spawn(async move {
-            tokio::select! {
-                ended = conn => if let Err(error) = ended {
-                    tracing::debug!(%error, %peer, "connection ended with an error");
-                },
-                _ = hard.cancelled() => {}
+        let builder = builder.clone();
+        let (graceful, hard) = (graceful.clone(), hard_stop.clone());
+        let intercepted = conn
+            .original_dst
+            .filter(|dst| !own.is_some_and(|own| crate::transparent::is_own(*dst, own)));
+        connections.spawn(async move {
+            // Transparent mode: what is not HTTP goes to its destination as raw TCP.
+            if let Some(dst) = intercepted {
+                if !crate::transparent::speaks_http(&stream).await {
+                    tokio::select! {
+                        _ = crate::transparent::splice(stream, peer, dst) => {}
+                        _ = hard.cancelled() => {}
+                    }
+                    return;
+                }
+            }
+            // With upgrades: a WebSocket request passed through becomes a tunnel.
+            let conn = builder.serve_connection(TokioIo::new(stream), service).with_upgrades();
+            tokio::pin!(conn);
+            let ended = tokio::select! {
+                ended = conn.as_mut() => ended,
+                _ = hard.cancelled() => return,
+                _ = graceful.cancelled() => {
+                    conn.as_mut().graceful_shutdown();
+                    tokio::select! {
+                        ended = conn.as_mut() => ended,
+                        _ = hard.cancelled() => return,
+                    }
+                }
+            };
+            if let Err(error) = ended {
+                tracing::debug!(%error, %peer, "connection ended with an error");
             }
         });
     }
     drop(listener);
+    connections.close();
     let began = tokio::time::Instant::now();
     // Keep-alive clients that send during the linger are answered with `Connection: close`
     // instead of finding their connection gone under a request (no wait when none is open).
-    let lingering = linger(grace);
-    while graceful.count() > 0 && began.elapsed() < lingering {
-        tokio::time::sleep(Duration::from_millis(10).min(lingering)).await;
-    }
+    let _ = tokio::time::timeout(linger(grace), connections.wait()).await;
+    graceful.cancel();
     let left = grace.saturating_sub(began.elapsed());
-    if tokio::time::timeout(left, graceful.shutdown()).await.is_err() {
+    if tokio::time::timeout(left, connections.wait()).await.is_err() {
         tracing::warn!(?grace, "connections still open after the grace period: closing them");
     }
     hard_stop.cancel();

@@ -6,10 +6,11 @@
 //! with `--transparent`, reads each accepted connection's original destination
 //! (`SO_ORIGINAL_DST`) and forwards there: the lock and Redis path are the same as usual.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::process::{ExitCode, Stdio};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 use clap::Args;
 use http::{Request, Response, StatusCode};
@@ -27,9 +28,14 @@ use crate::sidecar::ProxyFactory;
 pub const OUTPUT_CHAIN: &str = "TURNLOCK_OUTPUT";
 /// The nat chain that redirects into the sidecar.
 pub const REDIRECT_CHAIN: &str = "TURNLOCK_REDIRECT";
-/// Most distinct original destinations one proxy forwards to (each gets its own pool and
-/// write pipeline); connections to further ones are refused with 502.
+/// Most original destinations one proxy keeps ready (each with its own connection pool and
+/// write pipeline); past it, the least recently used one is dropped to make room.
 pub const MAX_DESTINATIONS: usize = 64;
+/// A destination not used for this long is dropped (pod IPs churn).
+pub const DESTINATION_IDLE: Duration = Duration::from_secs(300);
+/// How long an intercepted connection may take to send enough bytes to tell HTTP from
+/// another protocol; a client silent that long is served as HTTP.
+pub const SNIFF_WAIT: Duration = Duration::from_secs(1);
 /// iptables' `multiport` match takes at most this many ports.
 const MAX_PORTS: usize = 15;
 
@@ -169,63 +175,114 @@ struct Inner {
     factory: ProxyFactory,
     default: Proxy,
     own: SocketAddr,
-    by_dst: Mutex<HashMap<SocketAddr, Proxy>>,
+    /// This process's `Via` entry: a request that already carries it came back to us.
+    via: http::HeaderValue,
+    by_dst: Mutex<Cache<Proxy>>,
+}
+
+/// One store as the agent reached it: the original destination, and the `Host` it named
+/// (name-based virtual hosting: two names at one address are two stores).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct Destination {
+    addr: SocketAddr,
+    host: Option<http::HeaderValue>,
+}
+
+/// The proxies of recent destinations (`P` is [`Proxy`]; generic only for the tests).
+struct Cache<P> {
+    live: HashMap<Destination, Entry<P>>,
+    /// Dropped from `live` while still serving requests: kept until idle, for the drain.
+    retired: Vec<P>,
+}
+
+struct Entry<P> {
+    proxy: P,
+    used: Instant,
+}
+
+impl<P> Default for Cache<P> {
+    fn default() -> Self {
+        Self {
+            live: HashMap::new(),
+            retired: Vec::new(),
+        }
+    }
 }
 
 // === impl Destinations ===
 
 impl Destinations {
     pub(crate) fn new(factory: ProxyFactory, default: Proxy, own: SocketAddr) -> Self {
+        let via = http::HeaderValue::from_str(&format!("1.1 turnlock-{:016x}", rand::random::<u64>()))
+            .unwrap_or_else(|_| http::HeaderValue::from_static("1.1 turnlock"));
         Self {
             inner: Arc::new(Inner {
                 factory,
                 default,
                 own,
-                by_dst: Mutex::new(HashMap::new()),
+                via,
+                by_dst: Mutex::new(Cache::default()),
             }),
         }
     }
 
     pub async fn handle(&self, req: Request<Incoming>, conn: Conn) -> Response<Body> {
         let proxy = match conn.original_dst {
-            Some(dst) if !self.is_own(dst) => match self.for_dst(dst) {
-                Ok(p) => p,
-                Err((code, message)) => return error(StatusCode::BAD_GATEWAY, code, message, None),
-            },
+            Some(dst) if !is_own(dst, self.inner.own) => {
+                if self.came_back(&req) {
+                    return forwarding_loop(dst);
+                }
+                let host = req.headers().get(http::header::HOST).cloned();
+                match self.for_dst(Destination { addr: dst, host }) {
+                    Ok(p) => p,
+                    Err((code, message)) => return error(StatusCode::BAD_GATEWAY, code, message, None),
+                }
+            }
             _ => self.inner.default.clone(),
         };
         proxy.handle(req, conn.peer).await
     }
 
-    /// A connection made to the proxy's own address was not redirected: it uses `--upstream`.
-    fn is_own(&self, dst: SocketAddr) -> bool {
-        let own = self.inner.own;
-        dst == own || (dst.port() == own.port() && (own.ip().is_unspecified() || dst.ip().is_loopback()))
+    /// Whether a request carries this proxy's own `Via` entry: its own forwarded request was
+    /// intercepted and sent back to it.
+    fn came_back(&self, req: &Request<Incoming>) -> bool {
+        let own = self.inner.via.as_bytes();
+        req.headers()
+            .get_all(http::header::VIA)
+            .iter()
+            .any(|v| v.as_bytes().windows(own.len()).any(|w| w == own))
     }
 
     /// The proxy for one original destination, or the error code and message to answer.
-    fn for_dst(&self, dst: SocketAddr) -> Result<Proxy, (&'static str, String)> {
-        let mut by_dst = match self.inner.by_dst.lock() {
+    fn for_dst(&self, dst: Destination) -> Result<Proxy, (&'static str, String)> {
+        let mut cache = match self.inner.by_dst.lock() {
             Ok(g) => g,
             Err(poisoned) => poisoned.into_inner(),
         };
-        if let Some(p) = by_dst.get(&dst) {
-            return Ok(p.clone());
+        let now = Instant::now();
+        if let Some(e) = cache.live.get_mut(&dst) {
+            e.used = now;
+            return Ok(e.proxy.clone());
         }
-        if by_dst.len() >= MAX_DESTINATIONS {
-            return Err((
-                "too_many_destinations",
-                format!("this proxy already forwards to {MAX_DESTINATIONS} stores"),
-            ));
-        }
-        let upstream = self
+        cache.make_room(now, Proxy::is_idle);
+        let mut upstream = self
             .inner
             .factory
-            .upstream(&format!("http://{dst}"))
-            .map_err(|e| ("upstream_unavailable", e))?;
-        tracing::info!(%dst, "forwarding intercepted connections to their original destination");
+            .upstream(&format!("http://{}", dst.addr))
+            .map_err(|e| ("upstream_unavailable", e))?
+            .with_via(self.inner.via.clone());
+        if let Some(host) = &dst.host {
+            upstream = upstream.with_host(host.clone());
+        }
+        tracing::info!(dst = %dst.addr, host = ?dst.host, "forwarding intercepted connections to their original destination");
         let proxy = self.inner.factory.proxy(upstream);
-        by_dst.insert(dst, proxy.clone());
+        cache.live.insert(
+            dst,
+            Entry {
+                proxy: proxy.clone(),
+                used: now,
+            },
+        );
         Ok(proxy)
     }
 
@@ -233,17 +290,178 @@ impl Destinations {
     pub async fn drain(&self) {
         let mut all = vec![self.inner.default.clone()];
         {
-            let by_dst = match self.inner.by_dst.lock() {
+            let cache = match self.inner.by_dst.lock() {
                 Ok(g) => g,
                 Err(poisoned) => poisoned.into_inner(),
             };
-            all.extend(by_dst.values().cloned());
+            all.extend(cache.live.values().map(|e| e.proxy.clone()));
+            all.extend(cache.retired.iter().cloned());
         }
         for proxy in all {
             proxy.pipeline().drain().await;
         }
     }
 }
+
+// === impl Cache ===
+
+impl<P> Cache<P> {
+    /// Drops destinations unused for [`DESTINATION_IDLE`], then the least recently used ones
+    /// while [`MAX_DESTINATIONS`] are kept; forgets retired ones `is_idle` says are done.
+    fn make_room(&mut self, now: Instant, is_idle: impl Fn(&P) -> bool) {
+        let expired: Vec<Destination> = self
+            .live
+            .iter()
+            .filter(|(_, e)| now.saturating_duration_since(e.used) >= DESTINATION_IDLE)
+            .map(|(dst, _)| dst.clone())
+            .collect();
+        for dst in expired {
+            self.retire(dst);
+        }
+        while self.live.len() >= MAX_DESTINATIONS {
+            let Some(oldest) = self.live.iter().min_by_key(|(_, e)| e.used).map(|(dst, _)| dst.clone()) else {
+                break;
+            };
+            self.retire(oldest);
+        }
+        self.retired.retain(|p| !is_idle(p));
+    }
+
+    fn retire(&mut self, dst: Destination) {
+        if let Some(e) = self.live.remove(&dst) {
+            tracing::debug!(dst = %dst.addr, host = ?dst.host, "destination dropped from the cache");
+            self.retired.push(e.proxy);
+        }
+    }
+}
+
+/// A connection made to the proxy's own address was not redirected: it uses `--upstream`.
+pub fn is_own(dst: SocketAddr, own: SocketAddr) -> bool {
+    dst == own || (dst.port() == own.port() && (own.ip().is_unspecified() || dst.ip().is_loopback()))
+}
+
+/// The answer to a request that looped back: said loudly in the log, once per request, and
+/// to the client, instead of forwarding again until descriptors run out.
+fn forwarding_loop(dst: SocketAddr) -> Response<Body> {
+    tracing::error!(
+        %dst,
+        "the sidecar's own connections are being intercepted and sent back to it: run it as the \
+         user id excluded by `turnlock init-iptables --proxy-uid`"
+    );
+    error(
+        StatusCode::LOOP_DETECTED,
+        "forwarding_loop",
+        format!(
+            "the sidecar's own connection to {dst} was intercepted and sent back to it: it runs as a user id \
+             the interception rules do not exclude"
+        ),
+        None,
+    )
+}
+
+// === non-HTTP traffic ===
+
+/// Whether the first bytes of an intercepted connection are an HTTP/1 request line (a known
+/// method and a space). Other protocols (Redis, TLS, databases) are told apart from their
+/// first bytes; a client silent for [`SNIFF_WAIT`] is served as HTTP.
+pub async fn speaks_http(stream: &TcpStream) -> bool {
+    let deadline = tokio::time::Instant::now() + SNIFF_WAIT;
+    let mut buf = [0u8; 16];
+    loop {
+        let n = match tokio::time::timeout_at(deadline, stream.peek(&mut buf)).await {
+            Ok(Ok(n)) => n,
+            Ok(Err(_)) | Err(_) => return true,
+        };
+        if n == 0 {
+            return true;
+        }
+        if let Some(verdict) = http_request_line(&buf[..n]) {
+            return verdict;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// `Some(true)` for the start of an HTTP/1 request line, `Some(false)` for anything else,
+/// `None` while too few bytes have come to tell. A request line is a method token (any: a
+/// routes file may configure `PROPPATCH` or `MERGE`), a space, and a target that starts with
+/// `/`, `*` or `http` (an authority after `CONNECT`). The HTTP/2 preface (`PRI * …`) counts:
+/// the HTTP/1 server refuses it rather than letting it pass around the lock.
+fn http_request_line(start: &[u8]) -> Option<bool> {
+    const MAX_METHOD: usize = 20;
+    let Some(space) = start.iter().position(|b| *b == b' ') else {
+        let token_so_far = start.len() <= MAX_METHOD && start.iter().all(is_method_char);
+        return if token_so_far { None } else { Some(false) };
+    };
+    let method = &start[..space];
+    if method.is_empty() || method.len() > MAX_METHOD || !method.iter().all(is_method_char) {
+        return Some(false);
+    }
+    match start.get(space + 1) {
+        None => None,
+        Some(_) if method == b"CONNECT" => Some(true),
+        Some(b'/' | b'*' | b'h' | b'H') => Some(true),
+        Some(_) => Some(false),
+    }
+}
+
+fn is_method_char(b: &u8) -> bool {
+    b.is_ascii_uppercase() || *b == b'-' || *b == b'_'
+}
+
+/// The local addresses of this process's raw TCP connections to original destinations: one
+/// of them arriving back at the listener means the sidecar's own traffic is intercepted.
+fn own_splices() -> &'static Mutex<HashSet<SocketAddr>> {
+    static OWN: OnceLock<Mutex<HashSet<SocketAddr>>> = OnceLock::new();
+    OWN.get_or_init(|| Mutex::new(HashSet::new()))
+}
+
+fn lock_splices() -> std::sync::MutexGuard<'static, HashSet<SocketAddr>> {
+    match own_splices().lock() {
+        Ok(g) => g,
+        Err(poisoned) => poisoned.into_inner(),
+    }
+}
+
+/// Forwards a non-HTTP intercepted connection to its original destination as raw TCP,
+/// bytes copied both ways, without the lock (there is no write to serialize).
+pub async fn splice(mut client: TcpStream, peer: SocketAddr, dst: SocketAddr) {
+    if lock_splices().contains(&peer) {
+        tracing::error!(
+            %dst,
+            "the sidecar's own connections are being intercepted and sent back to it: run it as the \
+             user id excluded by `turnlock init-iptables --proxy-uid`"
+        );
+        return;
+    }
+    let connect = tokio::time::timeout(SPLICE_CONNECT_TIMEOUT, TcpStream::connect(dst)).await;
+    let mut upstream = match connect {
+        Ok(Ok(s)) => s,
+        Ok(Err(error)) => {
+            tracing::debug!(%dst, %error, "raw TCP destination unreachable");
+            return;
+        }
+        Err(_) => {
+            tracing::debug!(%dst, "raw TCP destination did not answer");
+            return;
+        }
+    };
+    let local = upstream.local_addr().ok();
+    if let Some(local) = local {
+        lock_splices().insert(local);
+    }
+    tracing::debug!(%peer, %dst, "non-HTTP connection passed through as raw TCP");
+    let _ = tokio::io::copy_bidirectional(&mut client, &mut upstream).await;
+    if let Some(local) = local {
+        lock_splices().remove(&local);
+    }
+}
+
+/// Longest wait for a raw TCP destination to accept.
+const SPLICE_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 #[cfg(test)]
 mod tests {
@@ -277,6 +495,59 @@ mod tests {
         assert!(uid < redirect, "the proxy's own traffic must be excluded first");
         assert!(rules.contains("-j REDIRECT --to-ports 7070"));
         assert!(rules.contains("-A OUTPUT -p tcp -j TURNLOCK_OUTPUT"));
+    }
+
+    fn dst(i: usize) -> Destination {
+        Destination {
+            addr: SocketAddr::from(([198, 18, (i / 250) as u8, (i % 250) as u8], 8080)),
+            host: None,
+        }
+    }
+
+    #[test]
+    fn the_destination_cache_drops_the_least_recently_used_and_the_idle() {
+        let mut cache: Cache<usize> = Cache::default();
+        let start = Instant::now();
+        for i in 0..200 {
+            let now = start + Duration::from_millis(i as u64);
+            // Destination 0 stays in use all along.
+            if let Some(e) = cache.live.get_mut(&dst(0)) {
+                e.used = now;
+            }
+            cache.make_room(now, |_| false);
+            cache.live.insert(dst(i), Entry { proxy: i, used: now });
+            assert!(cache.live.len() <= MAX_DESTINATIONS);
+        }
+        assert!(cache.live.contains_key(&dst(0)), "the destination in use was dropped");
+        assert!(cache.live.contains_key(&dst(199)));
+        assert!(!cache.live.contains_key(&dst(1)), "the least recently used was kept");
+        assert_eq!(cache.retired.len(), 200 - MAX_DESTINATIONS);
+        // Retired proxies are forgotten once idle; unused destinations expire.
+        let later = start + DESTINATION_IDLE + Duration::from_secs(1);
+        cache.make_room(later, |_| true);
+        assert!(cache.retired.is_empty());
+        assert!(
+            cache.live.is_empty(),
+            "{} destinations outlived their idle time",
+            cache.live.len()
+        );
+    }
+
+    #[test]
+    fn http_request_lines_are_told_from_other_protocols() {
+        assert_eq!(http_request_line(b"GET / HTTP/1.1"), Some(true));
+        assert_eq!(http_request_line(b"POST /v1"), Some(true));
+        assert_eq!(http_request_line(b"PO"), None);
+        assert_eq!(http_request_line(b"POST "), None);
+        assert_eq!(http_request_line(b"PROPPATCH /d"), Some(true));
+        assert_eq!(http_request_line(b"GET http://h/"), Some(true));
+        assert_eq!(http_request_line(b"CONNECT h:443"), Some(true));
+        assert_eq!(http_request_line(b"PRI * HTTP/2.0"), Some(true));
+        assert_eq!(http_request_line(b"SET k v\r\n"), Some(false));
+        assert_eq!(http_request_line(b"GET key\r\n"), Some(false));
+        assert_eq!(http_request_line(b"*1\r\n$4\r\nPING"), Some(false));
+        assert_eq!(http_request_line(b"PING\r\n"), Some(false));
+        assert_eq!(http_request_line(&[0x16, 0x03, 0x01]), Some(false));
     }
 
     #[test]

@@ -121,6 +121,12 @@ pub struct Upstream {
     base_path: String,
     timeout: Duration,
     metrics: Metrics,
+    /// A `Via` entry added to every request (transparent mode: lets the sidecar recognize
+    /// its own requests coming back to it).
+    via: Option<HeaderValue>,
+    /// The `Host` of every request, when it is not the authority of the URL (transparent
+    /// mode: the name the client gave the store it reached at this address).
+    host: Option<HeaderValue>,
 }
 
 impl Upstream {
@@ -166,7 +172,36 @@ impl Upstream {
             base_path: uri.path().trim_end_matches('/').to_owned(),
             timeout,
             metrics,
+            via: None,
+            host: None,
         })
+    }
+
+    /// The same upstream, adding `via` to the `Via` header of every request.
+    pub fn with_via(self, via: HeaderValue) -> Self {
+        Self { via: Some(via), ..self }
+    }
+
+    /// The same upstream, named `host` in the `Host` header of every request.
+    pub fn with_host(self, host: HeaderValue) -> Self {
+        Self {
+            host: Some(host),
+            ..self
+        }
+    }
+
+    /// The longest wait for the store.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    fn add_headers(&self, req: &mut Request<Body>) {
+        if let Some(via) = &self.via {
+            req.headers_mut().append(header::VIA, via.clone());
+        }
+        if let Some(host) = &self.host {
+            req.headers_mut().insert(header::HOST, host.clone());
+        }
     }
 
     /// The store's URI for a request path (and query) as the agent sent it.
@@ -179,14 +214,15 @@ impl Upstream {
     }
 
     /// Sends a request, waiting at most the timeout for the response head. The body streams.
-    pub async fn send(&self, req: Request<Body>) -> Result<Response<Incoming>, UpstreamError> {
+    pub async fn send(&self, mut req: Request<Body>) -> Result<Response<Incoming>, UpstreamError> {
+        self.add_headers(&mut req);
         Self::timed(&self.client, self.timeout, req).await
     }
 
     /// Like [`Upstream::send`], and a bodiless GET, HEAD or OPTIONS that failed without any
     /// answer (a connection the store had closed) is sent once more on a fresh connection.
     pub async fn send_safe(&self, req: Request<Body>) -> Result<Response<Incoming>, UpstreamError> {
-        let Some(again) = repeatable(&req) else {
+        let Some(mut again) = repeatable(&req) else {
             return self.send(req).await;
         };
         let started = Instant::now();
@@ -198,15 +234,26 @@ impl Upstream {
                 }
                 tracing::debug!(error = %first, "store connection failed before an answer; retrying on a fresh one");
                 self.metrics.upstream_retry();
+                self.add_headers(&mut again);
                 Self::timed(&self.fresh, left, again).await
             }
             other => other,
         }
     }
 
-    /// Forwards an agent's request ([`Upstream::send_safe`]), counting the store's answer.
-    pub async fn forward(&self, req: Request<Body>) -> Result<Response<Incoming>, UpstreamError> {
-        let res = self.send_safe(req).await;
+    /// Forwards an agent's request, counting the store's answer: a bodiless safe request as
+    /// [`Upstream::send_safe`] does, any other with its body streaming from the client
+    /// ([`Upstream::send_streaming`]).
+    pub async fn forward(
+        &self,
+        req: Request<Body>,
+        body_sent: impl std::future::Future<Output = bool>,
+    ) -> Result<Response<Incoming>, UpstreamError> {
+        let res = if repeatable(&req).is_some() {
+            self.send_safe(req).await
+        } else {
+            self.send_streaming(req, body_sent).await
+        };
         self.answered("forward", &res);
         res
     }
@@ -223,6 +270,32 @@ impl Upstream {
     ) -> Result<Response<Incoming>, UpstreamError> {
         match tokio::time::timeout(timeout, client.request(req)).await {
             Err(_) => Err(UpstreamError::Timeout(timeout)),
+            Ok(Err(e)) => Err(UpstreamError::Unreachable(error_chain(&e))),
+            Ok(Ok(res)) => Ok(res),
+        }
+    }
+
+    /// Sends a request whose body streams from the client. The timeout bounds the wait for
+    /// the response head once `body_sent` resolved `true` (the whole body handed to the
+    /// store), not the client's own upload; an answer that comes before the body is complete
+    /// is taken. `body_sent` resolving `false` means the store stopped taking the body: a
+    /// timeout as well.
+    pub async fn send_streaming(
+        &self,
+        mut req: Request<Body>,
+        body_sent: impl std::future::Future<Output = bool>,
+    ) -> Result<Response<Incoming>, UpstreamError> {
+        self.add_headers(&mut req);
+        let res = self.client.request(req);
+        tokio::pin!(res);
+        tokio::select! {
+            r = &mut res => return r.map_err(|e| UpstreamError::Unreachable(error_chain(&e))),
+            sent = body_sent => if !sent {
+                return Err(UpstreamError::Timeout(self.timeout));
+            }
+        }
+        match tokio::time::timeout(self.timeout, res).await {
+            Err(_) => Err(UpstreamError::Timeout(self.timeout)),
             Ok(Err(e)) => Err(UpstreamError::Unreachable(error_chain(&e))),
             Ok(Ok(res)) => Ok(res),
         }

@@ -2,9 +2,12 @@
 //! "pod" (agent, sidecar, Redis) and a "store" host joined by a veth pair. `turnlock
 //! init-iptables` installs the nat rules in the pod; the agent (curl, as root) writes to the
 //! store's own address and never learns of the sidecar, yet its append is served by turnlock.
+//! A second lab checks what else crosses an intercepted port: 200 destinations (more than the
+//! sidecar keeps at once), the agent's own `Host`, Redis traffic passed through as raw TCP, and
+//! a sidecar running as the wrong user refusing its own looped-back connections.
 //!
 //! Needs root, `ip` (iproute2), `iptables` / `iptables-restore`, `setpriv` (util-linux), `curl`,
-//! `redis-server` and `redis-cli`. A missing one fails the test; it is never skipped.
+//! `python3` (a store that echoes the headers it gets), `redis-server` and `redis-cli`. A missing one fails the test; it is never skipped.
 
 mod common;
 
@@ -57,14 +60,15 @@ struct Lab {
 }
 
 impl Lab {
-    fn create() -> Self {
+    /// `tag` tells apart the labs of tests running at once in one process.
+    fn create(tag: &str) -> Self {
         let id = std::process::id();
         let lab = Self {
-            pod: format!("tl-pod-{id}"),
-            store: format!("tl-store-{id}"),
+            pod: format!("tl-pod-{id}{tag}"),
+            store: format!("tl-store-{id}{tag}"),
             children: Vec::new(),
         };
-        let (veth_pod, veth_store) = (format!("tlp{id}"), format!("tls{id}"));
+        let (veth_pod, veth_store) = (lab.veth_pod(), lab.veth_store());
         run("ip", &["netns", "add", &lab.pod]);
         run("ip", &["netns", "add", &lab.store]);
         run(
@@ -81,7 +85,16 @@ impl Lab {
         lab
     }
 
-    fn spawn(&mut self, ns: &str, prefix: &[&str], program: &str, args: &[&str]) {
+    fn veth_pod(&self) -> String {
+        self.pod.replace("tl-pod-", "tlp")
+    }
+
+    fn veth_store(&self) -> String {
+        self.store.replace("tl-store-", "tls")
+    }
+
+    /// Starts a process in a namespace; returns its pid (`ip netns exec` and `setpriv` exec).
+    fn spawn(&mut self, ns: &str, prefix: &[&str], program: &str, args: &[&str]) -> u32 {
         let child = Command::new("ip")
             .args(["netns", "exec", ns])
             .args(prefix)
@@ -91,7 +104,18 @@ impl Lab {
             .stderr(Stdio::inherit())
             .spawn()
             .unwrap_or_else(|e| panic!("{program}: {e}"));
+        let pid = child.id();
         self.children.push(child);
+        pid
+    }
+
+    /// Kills the process started with `pid`.
+    fn kill(&mut self, pid: u32) {
+        if let Some(i) = self.children.iter().position(|c| c.id() == pid) {
+            let mut c = self.children.remove(i);
+            let _ = c.kill();
+            let _ = c.wait();
+        }
     }
 
     /// `curl` inside the pod, as root: the agent. Returns (status, body).
@@ -157,7 +181,7 @@ fn agent_store_traffic_is_intercepted_without_the_agent_knowing() {
     let bin = common::turnlock_bin();
     let bin = bin.to_str().expect("utf-8 path");
 
-    let mut lab = Lab::create();
+    let mut lab = Lab::create("a");
     let (pod, store) = (lab.pod.clone(), lab.store.clone());
     let store_url = format!("http://{STORE_IP}:{STORE_PORT}");
 
@@ -306,6 +330,260 @@ fn agent_store_traffic_is_intercepted_without_the_agent_knowing() {
         String::from_utf8_lossy(&keys.stdout).contains("s-1"),
         "no turnlock key for the session in Redis"
     );
+}
+
+/// An HTTP server for the store host that answers every GET, POST and PUT with the `Host`
+/// and `Via` headers it received (and the `Host` of the last PUT), on every address of its host.
+const ECHO_SERVER: &str = r#"
+import http.server, json
+LAST = {}
+class H(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def do_GET(self):
+        self.reply()
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("content-length") or 0))
+        self.reply()
+    def do_PUT(self):
+        self.rfile.read(int(self.headers.get("content-length") or 0))
+        LAST["put_host"] = self.headers.get("host")
+        self.reply()
+    def reply(self):
+        body = json.dumps({"host": self.headers.get("host"), "via": self.headers.get("via"),
+                           "put_host": LAST.get("put_host")}).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *args):
+        pass
+http.server.ThreadingHTTPServer(("0.0.0.0", 8080), H).serve_forever()
+"#;
+const RAW_PORT: u16 = 6380;
+/// Distinct destinations the agent reaches through one sidecar, past its cache size.
+const DESTINATIONS: u32 = 200;
+
+fn fd_count(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|d| d.count())
+        .unwrap_or(0)
+}
+
+#[test]
+fn many_destinations_the_host_header_and_non_http_traffic_are_served_and_a_loop_is_refused() {
+    assert_eq!(
+        nix_euid(),
+        0,
+        "this test creates network namespaces and nat rules: run it as root"
+    );
+    require("ip", &["-V"]);
+    require("iptables-restore", &["--version"]);
+    require("setpriv", &["--version"]);
+    require("curl", &["--version"]);
+    require("redis-cli", &["--version"]);
+    require("python3", &["--version"]);
+    let redis = common::redis_server_bin();
+    let bin = common::turnlock_bin();
+    let bin = bin.to_str().expect("utf-8 path");
+
+    let mut lab = Lab::create("b");
+    let (pod, store) = (lab.pod.clone(), lab.store.clone());
+    // The store host answers on 200 more addresses, routed from the pod.
+    let batch = (1..=DESTINATIONS)
+        .map(|i| format!("addr add 198.18.1.{i}/32 dev {}\n", lab.veth_store()))
+        .collect::<String>();
+    let batch_file = std::env::temp_dir().join(format!("{store}.batch"));
+    std::fs::write(&batch_file, batch).expect("batch file");
+    run("ip", &["-n", &store, "-batch", batch_file.to_str().expect("path")]);
+    let _ = std::fs::remove_file(&batch_file);
+    run("ip", &["-n", &pod, "route", "add", "198.18.1.0/24", "via", STORE_IP]);
+
+    lab.spawn(&store, &[], "python3", &["-c", ECHO_SERVER]);
+    lab.spawn(
+        &store,
+        &[],
+        &redis,
+        &[
+            "--port",
+            &RAW_PORT.to_string(),
+            "--protected-mode",
+            "no",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ],
+    );
+    lab.spawn(
+        &pod,
+        &[],
+        &redis,
+        &[
+            "--port",
+            &REDIS_PORT.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ],
+    );
+    lab.wait_for(&format!("http://{STORE_IP}:{STORE_PORT}/"));
+    let routes = std::env::temp_dir().join(format!("{pod}.routes.toml"));
+    std::fs::write(
+        &routes,
+        "[[route]]\nmethod = \"POST\"\npath = \"/threads/{session}/events\"\nturn = { header = \"X-Turn\" }\nmode = \"serialize\"\n",
+    )
+    .expect("routes file");
+    let routes = routes.to_str().expect("path").to_owned();
+    let sidecar = |lab: &mut Lab, uid: &str| {
+        lab.spawn(
+            &pod,
+            &["setpriv", "--reuid", uid, "--regid", uid, "--clear-groups", "--"],
+            bin,
+            &[
+                "proxy",
+                "--transparent",
+                "--listen",
+                &format!("0.0.0.0:{PROXY_PORT}"),
+                "--admin",
+                &format!("127.0.0.1:{ADMIN_PORT}"),
+                "--redis",
+                &format!("redis://127.0.0.1:{REDIS_PORT}"),
+                "--routes",
+                &routes,
+            ],
+        )
+    };
+    let good = sidecar(&mut lab, PROXY_UID);
+    lab.wait_for(&format!("http://127.0.0.1:{ADMIN_PORT}/readyz"));
+    run(
+        "ip",
+        &[
+            "netns",
+            "exec",
+            &pod,
+            bin,
+            "init-iptables",
+            "--store-ports",
+            &format!("{STORE_PORT},{RAW_PORT}"),
+            "--proxy-port",
+            &PROXY_PORT.to_string(),
+            "--proxy-uid",
+            PROXY_UID,
+        ],
+    );
+
+    // The Host the agent sent reaches the store (name-based virtual hosting keeps working),
+    // and the Via entry shows the request went through the sidecar.
+    let (status, body) = lab.curl(&[
+        "-H",
+        "Host: store.example.com:8080",
+        &format!("http://{STORE_IP}:{STORE_PORT}/anything"),
+    ]);
+    assert_eq!(status, 200, "{body}");
+    let seen: Value = serde_json::from_str(&body).expect("echo");
+    assert_eq!(seen["host"], "store.example.com:8080", "{seen}");
+    assert!(seen["via"].as_str().is_some_and(|v| v.contains("turnlock")), "{seen}");
+
+    // A serialize write keeps it too: the store gets the agent's request, under the lock.
+    let (status, body) = lab.curl(&[
+        "-X",
+        "POST",
+        "-H",
+        "Host: store.example.com:8080",
+        "-H",
+        "X-Turn: 3",
+        "--data",
+        "{}",
+        &format!("http://{STORE_IP}:{STORE_PORT}/threads/t1/events"),
+    ]);
+    assert_eq!(status, 200, "{body}");
+    let seen: Value = serde_json::from_str(&body).expect("echo");
+    assert_eq!(seen["host"], "store.example.com:8080", "{seen}");
+    let (status, body) = lab.curl(&[
+        "-X",
+        "POST",
+        "-H",
+        "X-Turn: 2",
+        "--data",
+        "{}",
+        &format!("http://{STORE_IP}:{STORE_PORT}/threads/t1/events"),
+    ]);
+    assert_eq!(status, 409, "a stale serialize write is refused by the sidecar: {body}");
+
+    // So does a merge write: turnlock's own read and write-back name the store as the agent did.
+    let (status, body) = lab.curl(&[
+        "-X",
+        "POST",
+        "-H",
+        "Host: store.example.com:8080",
+        "-H",
+        "content-type: application/json",
+        "--data",
+        r#"{"turn": 1, "messages": [{"id": "m-1", "role": "user", "content": "hi"}]}"#,
+        &format!("http://{STORE_IP}:{STORE_PORT}/v1/sessions/s-9/messages"),
+    ]);
+    assert!((200..300).contains(&status), "{status} {body}");
+    let (_, body) = lab.curl(&[&format!("http://{STORE_IP}:{STORE_PORT}/anything")]);
+    let seen: Value = serde_json::from_str(&body).expect("echo");
+    assert_eq!(seen["put_host"], "store.example.com:8080", "{seen}");
+
+    // 200 distinct destinations, one after another, twice: none is refused for good.
+    let started = Instant::now();
+    for round in 0..2 {
+        for i in 1..=DESTINATIONS {
+            let (status, body) = lab.curl(&[&format!("http://198.18.1.{i}:{STORE_PORT}/r{round}")]);
+            assert_eq!(status, 200, "destination {i}, round {round}: {body}");
+            let seen: Value = serde_json::from_str(&body).expect("echo");
+            assert!(seen["via"].as_str().is_some_and(|v| v.contains("turnlock")), "{seen}");
+        }
+    }
+    eprintln!(
+        "TRANSPARENT {} requests to {DESTINATIONS} destinations in {:?}; sidecar descriptors {}",
+        2 * DESTINATIONS,
+        started.elapsed(),
+        fd_count(good)
+    );
+    assert!(fd_count(good) < 400, "descriptors grew to {}", fd_count(good));
+
+    // Redis on an intercepted port: not HTTP, so passed through as raw TCP.
+    let redis_cli = |args: &[&str]| {
+        let out = Command::new("ip")
+            .args(["netns", "exec", &pod, "timeout", "5", "redis-cli", "-h", STORE_IP, "-p"])
+            .arg(RAW_PORT.to_string())
+            .args(args)
+            .output()
+            .expect("redis-cli");
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    };
+    assert_eq!(redis_cli(&["PING"]), "PONG");
+    assert_eq!(redis_cli(&["SET", "k", "v"]), "OK");
+    assert_eq!(redis_cli(&["GET", "k"]), "v");
+
+    // The sidecar restarted as a user the rules do not exclude: its own connections come
+    // back to it. It refuses the loop at once instead of forwarding until descriptors run out.
+    lab.kill(good);
+    let wrong = sidecar(&mut lab, "1338");
+    lab.wait_for(&format!("http://127.0.0.1:{ADMIN_PORT}/readyz"));
+    let started = Instant::now();
+    let (status, body) = lab.curl(&[&format!("http://{STORE_IP}:{STORE_PORT}/anything")]);
+    assert_eq!(status, 508, "{body}");
+    assert!(body.contains("forwarding_loop"), "{body}");
+    let refused_in = started.elapsed();
+    assert!(refused_in < Duration::from_secs(3), "{refused_in:?}");
+    assert_ne!(
+        redis_cli(&["PING"]),
+        "PONG",
+        "a looped raw connection cannot reach the store"
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    let fds = fd_count(wrong);
+    assert!(fds < 100, "the loop used {fds} descriptors");
+    eprintln!("TRANSPARENT loop refused in {refused_in:?}; descriptors {fds}");
+    let _ = std::fs::remove_file(&routes);
 }
 
 fn nix_euid() -> u32 {

@@ -2,6 +2,7 @@
 //! is forwarded to the store unchanged.
 
 mod answer;
+mod passthrough;
 mod pipeline;
 mod request;
 
@@ -58,15 +59,20 @@ impl Proxy {
         &self.inner.pipeline
     }
 
+    /// Whether nothing uses this proxy but the caller: no request in it, no write running.
+    pub fn is_idle(&self) -> bool {
+        Arc::strong_count(&self.inner) == 1 && self.inner.pipeline.is_idle()
+    }
+
     /// Serves one request from the agent at `peer`.
     pub async fn handle(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
         let inner = &self.inner;
         let path = req.uri().path().to_owned();
         let (route_name, res) = match inner.routes.find(req.method(), &path) {
-            Some((route, session)) => {
+            Ok(Some((route, session))) => {
                 let _in_flight = inner.metrics.write_in_flight();
                 let (parts, body) = req.into_parts();
-                let res = match request::parse(route, session, &parts, body, inner.max_body).await {
+                let res = match request::parse(route, &session, &parts, body, inner.max_body).await {
                     Ok(write) => {
                         let (session, turn, started) = (write.session.to_string(), write.turn, Instant::now());
                         let answer = inner.pipeline.submit(write).await;
@@ -77,7 +83,11 @@ impl Proxy {
                 };
                 (route.name, res)
             }
-            None => ("forward", self.forward(req, peer).await),
+            Ok(None) => ("forward", self.forward(req, peer).await),
+            Err(ambiguous) => (
+                "ambiguous",
+                error(StatusCode::BAD_REQUEST, "ambiguous_path", ambiguous, None),
+            ),
         };
         let code = res.extensions().get::<ErrorCode>().map_or("", |c| c.0);
         inner.metrics.request(route_name, res.status().as_u16(), code);
@@ -85,9 +95,14 @@ impl Proxy {
     }
 
     /// Forwards a request as is (streaming both ways), minus hop-by-hop headers and
-    /// `X-Fencing-Token`, plus `X-Forwarded-For`.
-    async fn forward(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
+    /// `X-Fencing-Token`, plus `X-Forwarded-For`. An `Upgrade` request (WebSocket) keeps its
+    /// upgrade headers and, when the store switches protocols, becomes a tunnel copying bytes
+    /// both ways. The upstream timeout runs from the end of the client's body to the response
+    /// head.
+    async fn forward(&self, mut req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
         let upstream = &self.inner.upstream;
+        let upgrade = passthrough::upgrade_requested(req.headers());
+        let client_upgrade = upgrade.as_ref().map(|_| hyper::upgrade::on(&mut req));
         let (mut parts, body) = req.into_parts();
         let pq = parts.uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
         parts.uri = match upstream.uri(pq) {
@@ -95,16 +110,28 @@ impl Proxy {
             Err(e) => return error(StatusCode::BAD_REQUEST, "invalid_path", e, None),
         };
         crate::http::strip_hop_by_hop(&mut parts.headers);
+        if let Some(protocol) = upgrade {
+            passthrough::keep_upgrade(&mut parts.headers, protocol);
+        }
         parts.headers.remove(header::HOST);
         // turnlock's own header to the store: never the client's to set.
         parts.headers.remove(crate::upstream::FENCING_TOKEN);
         append_forwarded_for(&mut parts.headers, peer);
         parts.version = http::Version::HTTP_11;
+        let (body, body_sent) = passthrough::Reported::new(body, upstream.timeout());
         let req = Request::from_parts(parts, body.map_err(Into::into).boxed());
-        match upstream.forward(req).await {
-            Ok(res) => {
+        match upstream.forward(req, body_sent).await {
+            Ok(mut res) => {
+                let switched = res.status() == StatusCode::SWITCHING_PROTOCOLS;
+                let res_protocol = res.headers().get(header::UPGRADE).cloned();
+                if let (true, Some(client)) = (switched, client_upgrade) {
+                    passthrough::tunnel(client, hyper::upgrade::on(&mut res));
+                }
                 let (mut parts, body) = res.into_parts();
                 crate::http::strip_hop_by_hop(&mut parts.headers);
+                if let (true, Some(protocol)) = (switched, res_protocol) {
+                    passthrough::keep_upgrade(&mut parts.headers, protocol);
+                }
                 Response::from_parts(parts, body.map_err(Into::into).boxed())
             }
             Err(e) => {

@@ -136,6 +136,11 @@ impl Pipeline {
         self.shared.tracker.wait().await;
     }
 
+    /// Whether no write is running (no leader task alive).
+    pub fn is_idle(&self) -> bool {
+        self.shared.tracker.is_empty()
+    }
+
     /// Runs one write to its answer.
     pub async fn submit(&self, write: WriteRequest) -> Answer {
         let s = &self.shared;
@@ -237,11 +242,8 @@ impl Pipeline {
             // balancer, an IP or a host name), and must still share its commit order.
             Action::Merge { document, .. } => (format!("{lock_key} merge {document}"), document.clone()),
             Action::Delete { document, .. } => (format!("{lock_key} delete {document}"), document.clone()),
-            Action::Serialize { path_and_query, .. } => {
-                // The resource is named by the request's path (its query does not change it).
-                let path = path_and_query.split('?').next().unwrap_or("/");
-                (format!("{lock_key} serialize {path}"), path.to_owned())
-            }
+            // The resource is named by the route's path, whatever spelling the client sent.
+            Action::Serialize { resource, .. } => (format!("{lock_key} serialize {resource}"), resource.clone()),
         };
         let id = s.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, mut rx) = oneshot::channel();
@@ -949,6 +951,7 @@ async fn serialize_one(s: &Shared, lease: &Lease, p: &Pending, slot: &mut SlotHo
         path_and_query,
         headers,
         body,
+        ..
     } = &p.write.action
     else {
         let answer = Answer::error(StatusCode::INTERNAL_SERVER_ERROR, "internal", "mixed batch", None);

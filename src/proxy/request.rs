@@ -40,6 +40,9 @@ pub enum Action {
     Delete { document: String, headers: HeaderMap },
     /// Forward this request unchanged, under the lock.
     Serialize {
+        /// The resource the write protects: the route's path for this session, the same
+        /// whichever spelling of it the client sent.
+        resource: String,
         method: Method,
         path_and_query: String,
         headers: HeaderMap,
@@ -194,7 +197,11 @@ pub async fn parse(
         Mode::Serialize => {
             let turn = match &route.turn {
                 TurnSource::Header(name) => match parts.headers.get(name) {
-                    Some(v) => turn_from_header(v.as_bytes()).map_err(turn_refusal)?,
+                    Some(v) => {
+                        let turn = turn_from_header(v.as_bytes()).map_err(turn_refusal)?;
+                        check_header_turns(name, turn, header_turn)?;
+                        turn
+                    }
                     None => return Err(turn_refusal(TurnError::Missing)),
                 },
                 TurnSource::Body(pointer) => {
@@ -208,6 +215,7 @@ pub async fn parse(
                 }
             };
             let action = Action::Serialize {
+                resource: route.path.render(session.as_str()),
                 method: parts.method.clone(),
                 path_and_query: parts
                     .uri
@@ -236,6 +244,9 @@ pub async fn parse(
                     .transpose(),
             }
             .map_err(turn_refusal)?;
+            if let (TurnSource::Header(name), Some(t)) = (&route.turn, body_turn) {
+                check_header_turns(name, t, header_turn)?;
+            }
             let turn = resolve_turn(body_turn, header_turn).map_err(turn_refusal)?;
             let replace = parts
                 .headers
@@ -471,6 +482,17 @@ fn parse_object(bytes: &[u8]) -> Result<Map<String, Value>, Refusal> {
         Ok(Value::Object(map)) => Ok(map),
         Ok(_) => Err(bad("invalid_body", "the body must be a JSON object")),
         Err(e) => Err(bad("malformed_json", format!("the body is not valid JSON: {e}"))),
+    }
+}
+
+/// A route whose turn is in its own header refuses a disagreeing `X-Session-Turn`.
+fn check_header_turns(name: &http::HeaderName, turn: u64, session_turn: Option<u64>) -> Result<(), Refusal> {
+    match session_turn {
+        Some(other) if other != turn => Err(bad(
+            "turn_mismatch",
+            format!("the {name} header ({turn}) and the X-Session-Turn header ({other}) disagree"),
+        )),
+        _ => Ok(()),
     }
 }
 

@@ -1,0 +1,132 @@
+//! What pass-through forwarding needs beyond copying a request: knowing when the client's
+//! body has been sent (the upstream timeout starts there), and WebSocket / `Upgrade` tunnels.
+
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::header::{self, HeaderMap, HeaderValue};
+use http_body::{Body as HttpBody, Frame, SizeHint};
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
+use tokio::sync::oneshot;
+
+/// A request body that reports when it has been read to its end (or failed, or was dropped),
+/// and notices a store that stopped taking it.
+pub struct Reported {
+    inner: Incoming,
+    done: Option<oneshot::Sender<()>>,
+    /// When the last frame was handed over and not yet followed by another poll: the store's
+    /// side is not taking more. `None` while waiting for the client.
+    handed: Arc<Mutex<Option<Instant>>>,
+}
+
+impl Reported {
+    /// The body, and a future that resolves `true` once the body is complete, or `false` when
+    /// the store took no more of it for `stall` although the client had sent more.
+    pub fn new(inner: Incoming, stall: Duration) -> (Self, impl std::future::Future<Output = bool>) {
+        let (tx, mut rx) = oneshot::channel();
+        let handed = Arc::new(Mutex::new(None));
+        let mut body = Self {
+            inner,
+            done: Some(tx),
+            handed: handed.clone(),
+        };
+        if body.inner.is_end_stream() {
+            body.finish();
+        }
+        let tick = (stall / 4).max(Duration::from_millis(10));
+        let sent = async move {
+            loop {
+                tokio::select! {
+                    _ = &mut rx => return true,
+                    _ = tokio::time::sleep(tick) => {
+                        let since = *lock(&handed);
+                        if since.is_some_and(|t| t.elapsed() >= stall) {
+                            return false;
+                        }
+                    }
+                }
+            }
+        };
+        (body, sent)
+    }
+
+    fn finish(&mut self) {
+        if let Some(tx) = self.done.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+fn lock(m: &Mutex<Option<Instant>>) -> std::sync::MutexGuard<'_, Option<Instant>> {
+    match m.lock() {
+        Ok(g) => g,
+        Err(poisoned) => poisoned.into_inner(),
+    }
+}
+
+impl HttpBody for Reported {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        *lock(&self.handed) = None;
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        match &polled {
+            Poll::Ready(None) | Poll::Ready(Some(Err(_))) => self.finish(),
+            Poll::Ready(Some(Ok(_))) if self.inner.is_end_stream() => self.finish(),
+            Poll::Ready(Some(Ok(_))) => *lock(&self.handed) = Some(Instant::now()),
+            Poll::Pending => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// The protocol a request asks to switch to (`Connection: upgrade` with `Upgrade: …`).
+pub fn upgrade_requested(headers: &HeaderMap) -> Option<HeaderValue> {
+    let asks = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|t| t.trim().eq_ignore_ascii_case("upgrade"));
+    if asks {
+        headers.get(header::UPGRADE).cloned()
+    } else {
+        None
+    }
+}
+
+/// Puts back the two hop-by-hop headers an upgrade needs on the next hop.
+pub fn keep_upgrade(headers: &mut HeaderMap, protocol: HeaderValue) {
+    headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+    headers.insert(header::UPGRADE, protocol);
+}
+
+/// Once both sides switched protocols, copies bytes both ways until either side closes.
+pub fn tunnel(client: hyper::upgrade::OnUpgrade, upstream: hyper::upgrade::OnUpgrade) {
+    tokio::spawn(async move {
+        let (client, upstream) = match tokio::try_join!(client, upstream) {
+            Ok(both) => both,
+            Err(error) => {
+                tracing::debug!(%error, "upgrade did not complete");
+                return;
+            }
+        };
+        let (mut client, mut upstream) = (TokioIo::new(client), TokioIo::new(upstream));
+        if let Err(error) = tokio::io::copy_bidirectional(&mut client, &mut upstream).await {
+            tracing::debug!(%error, "upgraded connection ended with an error");
+        }
+    });
+}

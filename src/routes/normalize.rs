@@ -1,0 +1,159 @@
+//! Request paths as a store may read them.
+//!
+//! Stores (and the frameworks in front of them) disagree on what a path means: most decode
+//! percent-encoded unreserved characters, remove dot segments, collapse duplicate slashes and
+//! ignore a trailing slash; some also read an encoded `/` or a `\` as a separator, or drop
+//! `;params` from a segment. A write route must match every spelling a store could take for
+//! it, or a write would reach the store without the lock. So a path is read in each of those
+//! ways ([`readings`]); the router compares what each reading matches.
+
+/// The segments of a path after RFC 3986 normalization: unreserved characters
+/// percent-decoded (other escapes kept, hex upper-cased), empty segments (duplicate or
+/// trailing slashes) dropped, and, when `resolve_dots`, dot segments resolved.
+pub fn segments(path: &str, resolve_dots: bool) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for raw in path.split('/') {
+        let seg = decode_unreserved(raw);
+        match seg.as_str() {
+            "" => {}
+            "." if resolve_dots => {}
+            ".." if resolve_dots => {
+                out.pop();
+            }
+            _ => out.push(seg),
+        }
+    }
+    out
+}
+
+/// Every way a store could split `path` into segments. The first reading is the standard
+/// one (RFC 3986); the others are added only when the path holds something read differently.
+pub fn readings(path: &str) -> Vec<Vec<String>> {
+    let mut all = vec![segments(path, true)];
+    let mut add = |reading: Vec<String>| {
+        if !all.contains(&reading) {
+            all.push(reading);
+        }
+    };
+    let upper = path.to_ascii_uppercase();
+    // A store that does not resolve dot segments (spelled `.` or `%2E`).
+    if path.contains('.') || upper.contains("%2E") {
+        add(segments(path, false));
+    }
+    // A store that decodes `%2F` (or reads `\` / `%5C`) as a separator.
+    if upper.contains("%2F") || upper.contains("%5C") || path.contains('\\') {
+        let split = replace_ci(&replace_ci(path, "%2F", "/"), "%5C", "/").replace('\\', "/");
+        add(segments(&split, true));
+        add(segments(&split, false));
+    }
+    // A store that drops `;params` from each segment (servlet containers).
+    if path.contains(';') {
+        let stripped: Vec<&str> = path.split('/').map(|s| s.split(';').next().unwrap_or("")).collect();
+        let stripped = stripped.join("/");
+        add(segments(&stripped, true));
+        add(segments(&stripped, false));
+    }
+    all
+}
+
+/// Percent-decodes the unreserved characters (`A-Z a-z 0-9 - . _ ~`) of one segment; every
+/// other escape stays encoded, with upper-case hex; a `%` not followed by two hex digits is
+/// kept as it is.
+pub fn decode_unreserved(seg: &str) -> String {
+    if !seg.contains('%') {
+        return seg.to_owned();
+    }
+    let bytes = seg.as_bytes();
+    let mut out = String::with_capacity(seg.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' && i + 2 < bytes.len() {
+            if let (Some(h), Some(l)) = (hex(bytes[i + 1]), hex(bytes[i + 2])) {
+                let c = h * 16 + l;
+                if c.is_ascii_alphanumeric() || matches!(c, b'-' | b'.' | b'_' | b'~') {
+                    out.push(c as char);
+                } else {
+                    out.push('%');
+                    out.push(bytes[i + 1].to_ascii_uppercase() as char);
+                    out.push(bytes[i + 2].to_ascii_uppercase() as char);
+                }
+                i += 3;
+                continue;
+            }
+        }
+        out.push(bytes[i] as char);
+        i += 1;
+    }
+    out
+}
+
+fn hex(b: u8) -> Option<u8> {
+    match b {
+        b'0'..=b'9' => Some(b - b'0'),
+        b'a'..=b'f' => Some(b - b'a' + 10),
+        b'A'..=b'F' => Some(b - b'A' + 10),
+        _ => None,
+    }
+}
+
+fn replace_ci(s: &str, needle: &str, with: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut rest = s;
+    while let Some(at) = rest.to_ascii_uppercase().find(needle) {
+        out.push_str(&rest[..at]);
+        out.push_str(with);
+        rest = &rest[at + needle.len()..];
+    }
+    out.push_str(rest);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn segs(p: &str) -> Vec<String> {
+        segments(p, true)
+    }
+
+    #[test]
+    fn unreserved_escapes_are_decoded_and_others_kept() {
+        assert_eq!(decode_unreserved("%6Dessages"), "messages");
+        assert_eq!(decode_unreserved("%7e%2d%2E%5f"), "~-._");
+        assert_eq!(decode_unreserved("a%2fb"), "a%2Fb");
+        assert_eq!(decode_unreserved("a%20b"), "a%20b");
+        assert_eq!(decode_unreserved("100%"), "100%");
+        assert_eq!(decode_unreserved("%zz%4"), "%zz%4");
+    }
+
+    #[test]
+    fn slashes_and_dot_segments_are_normalized() {
+        let want = vec!["v1", "sessions", "s1", "messages"];
+        for p in [
+            "/v1/sessions/s1/messages",
+            "/v1/sessions/s1/messages/",
+            "/v1//sessions/s1/messages",
+            "/v1/sessions/s1/%6Dessages",
+            "/v1/./sessions/x/../s1/messages",
+            "/v1/sessions/s1/%2E/messages",
+            "/../v1/sessions/s1/messages",
+        ] {
+            assert_eq!(segs(p), want, "{p}");
+        }
+        assert_eq!(segments("/a/../b", false), vec!["a", "..", "b"]);
+    }
+
+    #[test]
+    fn readings_cover_separators_and_params() {
+        assert_eq!(readings("/a/b").len(), 1);
+        let r = readings("/a/x%2Fy/c");
+        assert!(r.contains(&vec!["a".into(), "x%2Fy".into(), "c".into()]));
+        assert!(r.contains(&vec!["a".into(), "x".into(), "y".into(), "c".into()]));
+        let r = readings("/a/b;v=1/c");
+        assert!(r.contains(&vec!["a".into(), "b".into(), "c".into()]));
+        let r = readings("/v1/sessions/%2e%2E/messages");
+        assert!(r.contains(&vec!["v1".into(), "sessions".into(), "..".into(), "messages".into()]));
+        let r = readings("/a\\b");
+        assert!(r.contains(&vec!["a".into(), "b".into()]));
+    }
+}

@@ -1,0 +1,235 @@
+//! Pass-through forwarding over real sockets: the upstream timeout bounds the store's answer,
+//! not the client's own upload, and WebSocket / `Upgrade` requests become tunnels.
+
+mod common;
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use common::*;
+use http::{Request, Response};
+use http_body_util::{BodyExt, Full, StreamBody};
+use hyper::body::{Frame, Incoming};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+/// A store that reads the whole body, waits `think`, and answers with the byte count.
+async fn counting_store(think: Duration) -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(move |req: Request<Incoming>| async move {
+                    let n = req.into_body().collect().await.map(|c| c.to_bytes().len()).unwrap_or(0);
+                    tokio::time::sleep(think).await;
+                    Ok::<_, Infallible>(Response::new(Full::new(Bytes::from(n.to_string()))))
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
+                    .await;
+            });
+        }
+    });
+    addr
+}
+
+/// Uploads `chunks` chunks of 1 KiB, one every `every`, chunked; returns (status, body).
+async fn trickle(addr: SocketAddr, chunks: usize, every: Duration) -> (u16, String) {
+    let stream = TcpStream::connect(addr).await.expect("connect");
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+        .await
+        .expect("handshake");
+    tokio::spawn(conn);
+    let frames = futures_util::stream::unfold(0usize, move |i| async move {
+        if i == chunks {
+            return None;
+        }
+        tokio::time::sleep(every).await;
+        Some((Ok::<_, Infallible>(Frame::data(Bytes::from(vec![b'x'; 1024]))), i + 1))
+    });
+    let req = Request::post("/uploads/big")
+        .header("host", "store")
+        .body(StreamBody::new(frames))
+        .expect("request");
+    let res = sender.send_request(req).await.expect("response");
+    let status = res.status().as_u16();
+    let body = res.into_body().collect().await.expect("body").to_bytes();
+    (status, String::from_utf8_lossy(&body).into_owned())
+}
+
+#[tokio::test]
+async fn an_upload_slower_than_the_upstream_timeout_is_forwarded() {
+    let store = counting_store(Duration::ZERO).await;
+    let mut args = proxy_args(store, None);
+    args.upstream_timeout_ms = 300;
+    let proxy = proxy(args).await;
+    let started = Instant::now();
+    // 15 chunks, 100 ms apart: 1.5 s of upload, five times the upstream timeout.
+    let (status, body) = trickle(proxy.addr, 15, Duration::from_millis(100)).await;
+    assert!(started.elapsed() >= Duration::from_millis(1400));
+    assert_eq!((status, body.as_str()), (200, "15360"));
+}
+
+#[tokio::test]
+async fn a_store_silent_after_the_upload_still_times_out() {
+    let store = counting_store(Duration::from_secs(30)).await;
+    let mut args = proxy_args(store, None);
+    args.upstream_timeout_ms = 300;
+    let proxy = proxy(args).await;
+    let started = Instant::now();
+    let (status, body) = trickle(proxy.addr, 5, Duration::from_millis(100)).await;
+    let took = started.elapsed();
+    assert_eq!(status, 504, "{body}");
+    assert!(body.contains("upstream_timeout"), "{body}");
+    // The upload (~0.5 s) plus the timeout (0.3 s), not the store's 30 s.
+    assert!(
+        took >= Duration::from_millis(750) && took < Duration::from_secs(3),
+        "{took:?}"
+    );
+}
+
+/// A store that accepts connections and never reads from them.
+async fn deaf_store() -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((stream, _)) = listener.accept().await {
+            held.push(stream);
+        }
+    });
+    addr
+}
+
+#[tokio::test]
+async fn a_store_that_stops_taking_the_upload_times_out() {
+    let store = deaf_store().await;
+    let mut args = proxy_args(store, None);
+    args.upstream_timeout_ms = 300;
+    let proxy = proxy(args).await;
+    // 64 MiB offered at once: far more than the socket buffers between proxy and store hold.
+    const LEN: usize = 64 * 1024 * 1024;
+    let mut client = TcpStream::connect(proxy.addr).await.expect("connect");
+    let head = format!("POST /uploads/huge HTTP/1.1\r\nhost: store\r\ncontent-length: {LEN}\r\n\r\n");
+    client.write_all(head.as_bytes()).await.expect("head");
+    let (mut read, mut write) = client.into_split();
+    let upload = tokio::spawn(async move {
+        let chunk = vec![b'x'; 1024 * 1024];
+        for _ in 0..LEN / chunk.len() {
+            if write.write_all(&chunk).await.is_err() {
+                return;
+            }
+        }
+    });
+    let started = Instant::now();
+    let mut answer = vec![0u8; 512];
+    let n = tokio::time::timeout(Duration::from_secs(10), read.read(&mut answer))
+        .await
+        .expect("an answer within 10 s")
+        .expect("read");
+    let answer = String::from_utf8_lossy(&answer[..n]).into_owned();
+    assert!(answer.starts_with("HTTP/1.1 504"), "{answer}");
+    assert!(answer.contains("upstream_timeout"), "{answer}");
+    assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
+    upload.abort();
+}
+
+/// A WebSocket-style server on raw TCP: answers a request carrying `Upgrade: websocket` with
+/// 101, then echoes every byte; anything else gets 426.
+async fn upgrade_echo_server() -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut stream, _)) = listener.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                let Some(head) = read_head(&mut stream).await else {
+                    return;
+                };
+                let lower = head.to_ascii_lowercase();
+                if !(lower.contains("\r\nupgrade: websocket") && lower.contains("\r\nconnection: upgrade")) {
+                    let _ = stream
+                        .write_all(b"HTTP/1.1 426 Upgrade Required\r\ncontent-length: 0\r\n\r\n")
+                        .await;
+                    return;
+                }
+                let _ = stream
+                    .write_all(
+                        b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: Upgrade\r\n\
+                          sec-websocket-accept: s3pPLMBiTxaQ9kYGzzhZRbK+xOo=\r\n\r\n",
+                    )
+                    .await;
+                let mut buf = [0u8; 1024];
+                loop {
+                    match stream.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => {
+                            if stream.write_all(&buf[..n]).await.is_err() {
+                                return;
+                            }
+                        }
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// Reads a request or response head (bounded: 16 KiB, 5 s).
+async fn read_head(stream: &mut TcpStream) -> Option<String> {
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !head.ends_with(b"\r\n\r\n") && head.len() < 16 * 1024 {
+        let left = deadline.checked_duration_since(Instant::now())?;
+        match tokio::time::timeout(left, stream.read(&mut byte)).await {
+            Ok(Ok(1)) => head.push(byte[0]),
+            _ => return None,
+        }
+    }
+    String::from_utf8(head).ok()
+}
+
+#[tokio::test]
+async fn a_websocket_upgrade_is_passed_through_and_bytes_flow_both_ways() {
+    let store = upgrade_echo_server().await;
+    let proxy = proxy(proxy_args(store, None)).await;
+    let mut client = TcpStream::connect(proxy.addr).await.expect("connect");
+    client
+        .write_all(
+            b"GET /v1/sessions/s1/live HTTP/1.1\r\nhost: store\r\nconnection: Upgrade\r\nupgrade: websocket\r\n\
+              sec-websocket-version: 13\r\nsec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n",
+        )
+        .await
+        .expect("send");
+    let head = read_head(&mut client).await.expect("response head");
+    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+    let lower = head.to_ascii_lowercase();
+    assert!(
+        lower.contains("upgrade: websocket") && lower.contains("connection: upgrade"),
+        "{head}"
+    );
+    assert!(
+        lower.contains("sec-websocket-accept: s3pplmbitxaq9kygzzhzrbk+xoo="),
+        "{head}"
+    );
+    for round in 0..3 {
+        let msg = format!("frame {round} \u{1}\u{2}\u{ff}");
+        client.write_all(msg.as_bytes()).await.expect("write");
+        let mut got = vec![0u8; msg.len()];
+        tokio::time::timeout(Duration::from_secs(5), client.read_exact(&mut got))
+            .await
+            .expect("echo in time")
+            .expect("echo");
+        assert_eq!(got, msg.as_bytes());
+    }
+}
