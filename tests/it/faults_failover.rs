@@ -4,17 +4,14 @@
 //! losing the second one's update. Also: `--redis-wait-replicas` refuses to write under a
 //! grant no replica acknowledged, and what that option costs.
 
-mod common;
-mod faultkit;
-
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
-use common::*;
-use faultkit::relay::{Link, OnPut, Relay};
-use faultkit::*;
+use crate::support::ledger::*;
+use crate::support::relay::{Link, OnPut, Relay};
+use crate::support::*;
 use turnlock::config::ProxyArgs;
 
 const LEASE_MS: u64 = 1000;
@@ -116,7 +113,7 @@ async fn median_writes(
     for i in 0..n {
         for (k, c) in [a, b].into_iter().enumerate() {
             let started = tokio::time::Instant::now();
-            let r = append(c, &format!("failover-cost-{k}"), 1, &format!("cost-{k}-{i}"), true, &[])
+            let r = try_append(c, &format!("failover-cost-{k}"), 1, &format!("cost-{k}-{i}"), true, &[])
                 .await
                 .expect("write");
             assert!(r.status.is_success(), "{} {}", r.status, r.json);
@@ -176,7 +173,9 @@ async fn sentinel_failover_with_unreplicated_grant_loses_no_update() {
     let others: Vec<String> = all[1..].to_vec();
     let main = Ledger::default();
     let hint = AtomicU64::new(0);
-    let seed = append(&bc, &target, 1, "failover-seed", true, &[]).await.expect("seed");
+    let seed = try_append(&bc, &target, 1, "failover-seed", true, &[])
+        .await
+        .expect("seed");
     assert!(seed.status.is_success());
     record(&main, &hint, &target, 1, "failover-seed", Ok(seed));
     let writers = Writers::start(
@@ -190,7 +189,7 @@ async fn sentinel_failover_with_unreplicated_grant_loses_no_update() {
 
     // Replication stalls: grants from now on exist on the primary only.
     repl_link.set_link(Link::Blackhole);
-    let refused = append(&wc, &target, 1, "failover-unacked-grant", true, &[])
+    let refused = try_append(&wc, &target, 1, "failover-unacked-grant", true, &[])
         .await
         .expect("answer");
     assert_eq!(
@@ -205,7 +204,7 @@ async fn sentinel_failover_with_unreplicated_grant_loses_no_update() {
     store_relay.on_put(OnPut::Hold);
     let t = target.clone();
     let ac2 = ac.clone();
-    let first = tokio::spawn(async move { append(&ac2, &t, 1, "failover-first", true, &[]).await });
+    let first = tokio::spawn(async move { try_append(&ac2, &t, 1, "failover-first", true, &[]).await });
     assert!(
         store_relay.wait_held(1, Duration::from_secs(10)).await,
         "A never wrote back"
@@ -232,7 +231,7 @@ async fn sentinel_failover_with_unreplicated_grant_loses_no_update() {
 
     // B follows the new primary and is granted the same lock: two writers believe they hold it.
     let second = eventually(Duration::from_secs(20), Duration::from_millis(50), || async {
-        let r = append(&bc, &target, 1, "failover-second", true, &[]).await;
+        let r = try_append(&bc, &target, 1, "failover-second", true, &[]).await;
         let ok = matches!(&r, Ok(r) if r.status.is_success());
         if ok {
             record(&main, &hint, &target, 1, "failover-second", r);

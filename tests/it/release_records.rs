@@ -1,9 +1,7 @@
 //! With Redis, what a write committed under the lock (its idempotency record, the version
 //! snapshot for three-way merges) is stored in the same round trip as the lock's release.
 
-mod common;
-
-use common::{client, get_doc, message_ids, proxy, proxy_args, store, RedisServer};
+use crate::support::{client, get_doc, message_ids, proxy, proxy_args, store, RedisServer};
 use http::Method;
 use serde_json::json;
 

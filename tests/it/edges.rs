@@ -3,26 +3,20 @@
 //! objects merged key by key, size limits, snapshot size, compaction, the idempotency
 //! fingerprint and preconditions.
 
-mod common;
-
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::support::*;
 use bytes::Bytes;
-use common::*;
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use turnlock::client::{JsonClient, Reply};
-
-async fn send(c: &JsonClient, method: Method, path: &str, body: Value, headers: &[(&str, String)]) -> Reply {
-    c.send(method, path, Some(&body), headers).await.expect("request")
-}
 
 fn key(k: &str) -> (&'static str, String) {
     ("idempotency-key", k.to_string())

@@ -1,13 +1,17 @@
 //! Shared test harness: real `redis-server` processes on free ports, in-process stores and
 //! proxies on loopback, and `turnlock` processes for the tests that signal or kill them.
-#![allow(dead_code)]
+//! `relay` injects faults between two sockets; `ledger` runs concurrent writers and checks
+//! what they were told against what the store holds.
+
+pub mod ledger;
+pub mod relay;
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use serde_json::Value;
+use serde_json::{json, Value};
 use turnlock::client::{JsonClient, Reply};
 use turnlock::config::{ProxyArgs, StoreArgs};
 
@@ -184,19 +188,12 @@ impl Proc {
         Self { child }
     }
 
-    /// A `turnlock proxy` process on `port` with its admin on `admin`, in front of the store at
-    /// `store_port`, with `extra` flags; returns once it listens.
-    pub fn proxy(port: u16, admin: u16, store_port: u16, extra: &[&str]) -> Self {
-        let (listen, admin, upstream) = (
-            format!("127.0.0.1:{port}"),
-            format!("127.0.0.1:{admin}"),
-            format!("http://127.0.0.1:{store_port}"),
-        );
-        let mut args = vec!["proxy", "--listen", &listen, "--admin", &admin, "--upstream", &upstream];
-        args.extend_from_slice(extra);
-        let proc = Self::spawn(&args);
+    /// A `turnlock store` process on a free port; returns once it listens.
+    pub fn store() -> (Self, u16) {
+        let port = free_port();
+        let proc = Self::spawn(&["store", "--listen", &format!("127.0.0.1:{port}")]);
         wait_for_port(port, Duration::from_secs(10));
-        proc
+        (proc, port)
     }
 
     pub fn pid(&self) -> i32 {
@@ -232,4 +229,104 @@ pub async fn get_doc(client: &JsonClient, session: &str) -> Reply {
         .send(http::Method::GET, &format!("/v1/sessions/{session}"), None, &[])
         .await
         .expect("GET document")
+}
+
+/// A `turnlock proxy` process on free ports, with its addresses; killed on drop.
+pub struct ProxyProc {
+    pub proc: Proc,
+    pub addr: SocketAddr,
+    pub admin: SocketAddr,
+}
+
+impl ProxyProc {
+    /// Starts it in front of `upstream` (with Redis at `redis`, if any) and `extra` flags;
+    /// returns once both its ports listen.
+    pub fn spawn(upstream: &str, redis: Option<&str>, extra: &[&str]) -> Self {
+        let addr = SocketAddr::from(([127, 0, 0, 1], free_port()));
+        let admin = SocketAddr::from(([127, 0, 0, 1], free_port()));
+        let (a, m) = (addr.to_string(), admin.to_string());
+        let mut args = vec!["proxy", "--listen", &a, "--admin", &m, "--upstream", upstream];
+        if let Some(redis) = redis {
+            args.extend_from_slice(&["--redis", redis]);
+        }
+        args.extend_from_slice(extra);
+        let proc = Proc::spawn(&args);
+        wait_for_port(addr.port(), Duration::from_secs(20));
+        wait_for_port(admin.port(), Duration::from_secs(20));
+        Self { proc, addr, admin }
+    }
+
+    pub fn client(&self) -> JsonClient {
+        client(self.addr)
+    }
+}
+
+/// Sends a JSON body; panics only when no answer comes at all.
+pub async fn send(c: &JsonClient, method: http::Method, path: &str, body: Value, headers: &[(&str, String)]) -> Reply {
+    c.send(method, path, Some(&body), headers).await.expect("request")
+}
+
+/// Appends one message (content = `token`, with `id` = `token` when `with_id`); an error is
+/// a request that got no answer.
+pub async fn try_append(
+    client: &JsonClient,
+    session: &str,
+    turn: u64,
+    token: &str,
+    with_id: bool,
+    headers: &[(&str, String)],
+) -> Result<Reply, String> {
+    let message = if with_id {
+        json!({"id": token, "role": "user", "content": token})
+    } else {
+        json!({"role": "user", "content": token})
+    };
+    let body = json!({"turn": turn, "messages": [message]});
+    client
+        .send(
+            http::Method::POST,
+            &format!("/v1/sessions/{session}/messages"),
+            Some(&body),
+            headers,
+        )
+        .await
+        .map_err(|e| e.to_string())
+}
+
+/// Appends one message whose id and content are `id`.
+pub async fn append(c: &JsonClient, session: &str, turn: u64, id: &str) -> Reply {
+    append_ids(c, session, turn, &[id]).await
+}
+
+/// Appends one message per id, each with that id as its content.
+pub async fn append_ids(c: &JsonClient, session: &str, turn: u64, ids: &[&str]) -> Reply {
+    let messages: Vec<Value> = ids
+        .iter()
+        .map(|id| json!({"id": id, "role": "user", "content": id}))
+        .collect();
+    let body = json!({"turn": turn, "messages": messages});
+    send(
+        c,
+        http::Method::POST,
+        &format!("/v1/sessions/{session}/messages"),
+        body,
+        &[],
+    )
+    .await
+}
+
+/// The text of `/metrics` on an admin address.
+pub async fn metrics(admin: SocketAddr) -> String {
+    let reply = client(admin)
+        .send(http::Method::GET, "/metrics", None, &[])
+        .await
+        .expect("GET /metrics");
+    String::from_utf8_lossy(&reply.body).into_owned()
+}
+
+/// The value of the sample `name` (with its labels, if any) in a `/metrics` text; 0 when absent.
+pub fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse().ok()))
+        .unwrap_or(0.0)
 }

@@ -5,15 +5,12 @@
 //! Everything runs on loopback: real `redis-server` processes (and a Sentinel), real
 //! `turnlock proxy` processes that are paused and killed, and a fault-injecting TCP relay.
 
-mod common;
-mod faultkit;
-
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use common::*;
-use faultkit::relay::{Link, OnPut, Relay};
-use faultkit::*;
+use crate::support::ledger::*;
+use crate::support::relay::{Link, OnPut, Relay};
+use crate::support::*;
 use turnlock::config::ProxyArgs;
 
 const LEASE_MS: u64 = 600;
@@ -63,7 +60,7 @@ async fn write_until_acked(
 ) -> bool {
     let hint = AtomicU64::new(0);
     for _ in 0..100 {
-        match append(client, session, turn, token, true, &[]).await {
+        match try_append(client, session, turn, token, true, &[]).await {
             Ok(r) if r.status.is_success() => {
                 record(ledger, &hint, session, turn, token, Ok(r));
                 return true;
@@ -84,7 +81,7 @@ async fn paused_holder_late_write_is_refused() {
     let store = store().await;
     let relay = Relay::start(store.addr).await;
     let extra = proc_flags();
-    let a = ProxyProc::spawn(&relay.url("http"), &redis.url(), &flags(&extra));
+    let a = ProxyProc::spawn(&relay.url("http"), Some(&redis.url()), &flags(&extra));
     let b = proxy(args(&format!("http://{}", store.addr), &redis.url())).await;
     let bc = client(b.addr);
     let all = sessions("paused", 4);
@@ -96,7 +93,7 @@ async fn paused_holder_late_write_is_refused() {
     relay.on_put(OnPut::Hold);
     let ac = a.client();
     let t = target.clone();
-    let late = tokio::spawn(async move { append(&ac, &t, 1, "paused-late", true, &[]).await });
+    let late = tokio::spawn(async move { try_append(&ac, &t, 1, "paused-late", true, &[]).await });
     assert!(relay.wait_held(1, Duration::from_secs(10)).await, "A never wrote back");
     a.proc.signal("STOP");
 
@@ -150,7 +147,7 @@ async fn crashed_holder_locks_are_taken_over_after_the_lease() {
     let store = store().await;
     let relay = Relay::start(store.addr).await;
     let extra = proc_flags();
-    let a = ProxyProc::spawn(&relay.url("http"), &redis.url(), &flags(&extra));
+    let a = ProxyProc::spawn(&relay.url("http"), Some(&redis.url()), &flags(&extra));
     let b = proxy(args(&format!("http://{}", store.addr), &redis.url())).await;
     let bc = client(b.addr);
     let all = sessions("crashed", 6);
@@ -165,7 +162,7 @@ async fn crashed_holder_locks_are_taken_over_after_the_lease() {
     for s in &held {
         let (ac, s) = (a.client(), s.clone());
         pending.push(tokio::spawn(async move {
-            append(&ac, &s, 1, &format!("{s}-dead"), true, &[]).await
+            try_append(&ac, &s, 1, &format!("{s}-dead"), true, &[]).await
         }));
     }
     assert!(
@@ -191,7 +188,7 @@ async fn crashed_holder_locks_are_taken_over_after_the_lease() {
     let mut took_over = Vec::new();
     for s in &held {
         let took = eventually(lease() * 10, Duration::from_millis(20), || async {
-            let r = append(&bc, s, 1, &format!("{s}-after"), true, &[]).await;
+            let r = try_append(&bc, s, 1, &format!("{s}-after"), true, &[]).await;
             let ok = matches!(&r, Ok(r) if r.status.is_success());
             let hint = AtomicU64::new(0);
             if ok {
@@ -262,7 +259,7 @@ async fn redis_restart_fails_writes_cleanly_and_recovers() {
     .await;
     assert!(not_ready.is_some(), "/readyz still ready with Redis down");
     for (i, c) in [&c1, &c2].into_iter().enumerate() {
-        let r = append(c, &all[0], 1_000, &format!("restart-probe-{i}"), true, &[])
+        let r = try_append(c, &all[0], 1_000, &format!("restart-probe-{i}"), true, &[])
             .await
             .expect("the proxy answers while Redis is down");
         assert!(
@@ -280,7 +277,7 @@ async fn redis_restart_fails_writes_cleanly_and_recovers() {
         for (i, c) in [&c1, &c2].into_iter().enumerate() {
             let s = format!("restart-recovery-{i}");
             let token = format!("restart-recovered-{i}-{}", rand::random::<u32>());
-            ok &= matches!(append(c, &s, 1, &token, true, &[]).await, Ok(r) if r.status.is_success());
+            ok &= matches!(try_append(c, &s, 1, &token, true, &[]).await, Ok(r) if r.status.is_success());
         }
         ok && readyz(p1.admin).await == 200 && readyz(p2.admin).await == 200
     })
@@ -330,7 +327,7 @@ async fn network_cut_to_redis_fails_writes_cleanly_and_recovers() {
         })
         .await;
         assert!(not_ready.is_some(), "/readyz still ready with the link {link:?}");
-        let r = append(&c1, &all[0], 1_000, &format!("netcut-probe-{n}"), true, &[])
+        let r = try_append(&c1, &all[0], 1_000, &format!("netcut-probe-{n}"), true, &[])
             .await
             .expect("the proxy answers while cut off");
         assert!(
@@ -344,7 +341,7 @@ async fn network_cut_to_redis_fails_writes_cleanly_and_recovers() {
         relay.set_link(Link::Pass);
         let recovered = eventually(Duration::from_secs(20), Duration::from_millis(50), || async {
             let token = format!("netcut-recovered-{n}-{}", rand::random::<u32>());
-            matches!(append(&c1, "netcut-recovery", 1, &token, true, &[]).await, Ok(r) if r.status.is_success())
+            matches!(try_append(&c1, "netcut-recovery", 1, &token, true, &[]).await, Ok(r) if r.status.is_success())
                 && readyz(p1.admin).await == 200
         })
         .await;
@@ -403,7 +400,7 @@ async fn slow_and_failing_upstream_never_acknowledges_unconfirmed_writes() {
         let token = format!("{s}-write");
         let started = tokio::time::Instant::now();
         let (fc2, s2, t2) = (fc.clone(), s.clone(), token.clone());
-        let write = tokio::spawn(async move { append(&fc2, &s2, 1, &t2, true, &[]).await });
+        let write = tokio::spawn(async move { try_append(&fc2, &s2, 1, &t2, true, &[]).await });
         if name == "slow" {
             // Past the lease, the lock is still held: it was renewed.
             tokio::time::sleep(lease() + lease() / 2).await;
@@ -473,7 +470,7 @@ async fn client_retries_with_idempotency_key_apply_once() {
                 let headers = [("idempotency-key", token.clone())];
                 let mut outcome = Err("never sent".to_owned());
                 for _attempt in 0..30 {
-                    outcome = append(&agent, s, 1, &token, false, &headers).await;
+                    outcome = try_append(&agent, s, 1, &token, false, &headers).await;
                     match &outcome {
                         Ok(r) if r.status.is_success() || r.status.is_client_error() => break,
                         _ => tokio::time::sleep(Duration::from_millis(20)).await,
@@ -526,7 +523,7 @@ async fn batched_writes_answer_the_version_the_store_holds() {
     for i in 0..24 {
         let c = c.clone();
         tasks.push(tokio::spawn(async move {
-            append(&c, "batched", 1, &format!("batched-{i}"), true, &[]).await
+            try_append(&c, "batched", 1, &format!("batched-{i}"), true, &[]).await
         }));
     }
     let mut versions = Vec::new();
