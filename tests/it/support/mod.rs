@@ -6,9 +6,11 @@
 pub mod ledger;
 pub mod relay;
 
+use std::io::{BufRead, BufReader};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
@@ -119,6 +121,75 @@ impl RedisServer {
         let client = redis::Client::open(self.url()).expect("redis url");
         let mut conn = client.get_connection().expect("redis connection");
         redis::cmd("KEYS").arg(pattern).query(&mut conn).expect("KEYS")
+    }
+}
+
+/// `MONITOR` on a Redis server, through a `redis-cli` process: every command the server runs,
+/// one line each, in the order it ran them. Commands a Lua script runs are tagged `[0 lua]`.
+pub struct Monitor {
+    child: Child,
+    lines: Arc<Mutex<Vec<String>>>,
+    reader: Option<std::thread::JoinHandle<()>>,
+    port: u16,
+}
+
+impl Monitor {
+    /// Starts monitoring; returns once the server has confirmed it.
+    pub fn start(redis: &RedisServer) -> Self {
+        let mut child = Command::new("redis-cli")
+            .args(["-p", &redis.port.to_string(), "monitor"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start redis-cli monitor (install redis-tools)");
+        let stdout = child.stdout.take().expect("redis-cli stdout");
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let sink = lines.clone();
+        let reader = std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                sink.lock().expect("monitor lines").push(line);
+            }
+        });
+        let monitor = Self {
+            child,
+            lines,
+            reader: Some(reader),
+            port: redis.port,
+        };
+        monitor.wait_for(|l| l == "OK");
+        monitor
+    }
+
+    fn wait_for(&self, found: impl Fn(&str) -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if self.lines.lock().expect("monitor lines").iter().any(|l| found(l)) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        panic!("redis-cli monitor on port {} did not show the expected line", self.port);
+    }
+
+    /// Stops monitoring and returns the lines seen, up to a marker command sent last (so
+    /// everything the server ran before is in).
+    pub fn stop(mut self, redis: &RedisServer) -> Vec<String> {
+        let marker = format!("end-of-monitor-{}", free_port());
+        redis.cmd(&["ECHO", &marker]);
+        self.wait_for(|l| l.contains(&marker));
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if let Some(r) = self.reader.take() {
+            let _ = r.join();
+        }
+        std::mem::take(&mut *self.lines.lock().expect("monitor lines"))
+    }
+}
+
+impl Drop for Monitor {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }
 
