@@ -140,6 +140,7 @@ async fn a_put_based_on_the_stored_version_merges_after_an_append_in_the_same_ba
     let mut copy = get_doc(&c, "s3").await.json;
     copy["state"] = json!({"plan": "book the train"});
 
+    let batches_before = batch_count(proxy.admin).await;
     hold_lock(&redis, "s3", 1);
     let appending = {
         let c = c.clone();
@@ -153,6 +154,11 @@ async fn a_put_based_on_the_stored_version_merges_after_an_append_in_the_same_ba
     let appended = appending.await.expect("task");
     assert!(appended.status.is_success(), "{:?}", appended.json);
     assert!(put.status.is_success(), "{:?}", put.json);
+    assert_eq!(
+        batch_count(proxy.admin).await - batches_before,
+        1.0,
+        "the append and the PUT were to be committed in one read-merge-write"
+    );
 
     let doc = get_doc(&c, "s3").await.json;
     assert_eq!(doc["state"]["plan"], "book the train");
