@@ -6,7 +6,6 @@ use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use crate::support::*;
 use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
@@ -14,6 +13,8 @@ use hyper::body::Incoming;
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use turnlock::client::JsonClient;
+
+use crate::support::*;
 
 struct Stack {
     store: turnlock::store::RunningStore,
@@ -484,70 +485,11 @@ async fn an_expired_lease_of_a_dead_holder_is_taken_over() {
     assert!(redis.keys("turnlock:session:{*}:[0-9]*").is_empty(), "lock left behind");
 }
 
-/// A store that answers writes slowly: requests are forwarded to the real store, PUTs after
-/// `delay`.
-async fn slow_store(target: SocketAddr, delay: Duration) -> SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    tokio::spawn(async move {
-        let direct = JsonClient::new(format!("http://{target}"));
-        loop {
-            let Ok((stream, _)) = listener.accept().await else {
-                return;
-            };
-            let direct = direct.clone();
-            tokio::spawn(async move {
-                let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
-                    let direct = direct.clone();
-                    async move {
-                        let method = req.method().clone();
-                        let path = req.uri().path().to_owned();
-                        let headers: Vec<(String, String)> = ["if-match", "if-none-match", "x-fencing-token"]
-                            .iter()
-                            .filter_map(|h| Some((h.to_string(), req.headers().get(*h)?.to_str().ok()?.to_owned())))
-                            .collect();
-                        let body = req
-                            .into_body()
-                            .collect()
-                            .await
-                            .map(|c| c.to_bytes())
-                            .unwrap_or_default();
-                        if method == Method::PUT {
-                            tokio::time::sleep(delay).await;
-                        }
-                        let json: Option<Value> = serde_json::from_slice(&body).ok();
-                        let hdrs: Vec<(&str, String)> = headers.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
-                        let reply = direct.send(method, &path, json.as_ref(), &hdrs).await;
-                        let res = match reply {
-                            Ok(r) => {
-                                let mut b = Response::builder().status(r.status);
-                                if let Some(e) = r.headers.get("etag") {
-                                    b = b.header("etag", e);
-                                }
-                                b.body(Full::new(r.body)).expect("response")
-                            }
-                            Err(_) => Response::builder()
-                                .status(502)
-                                .body(Full::new(Bytes::new()))
-                                .expect("response"),
-                        };
-                        Ok::<_, Infallible>(res)
-                    }
-                });
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
-                    .await;
-            });
-        }
-    });
-    addr
-}
-
 #[tokio::test]
 async fn a_slow_write_keeps_its_lease_by_renewal() {
     let redis = RedisServer::start();
     let store = store().await;
-    let slow = slow_store(store.addr, Duration::from_millis(700)).await;
+    let slow = front_store(store.addr, PutDelay::Every(Duration::from_millis(700))).await;
     let mut args = proxy_args(slow, Some(&redis));
     args.lock_ttl_ms = 200;
     let proxy = proxy(args).await;
@@ -607,43 +549,27 @@ async fn upstream_down_or_silent_gives_502_or_504_and_releases_the_lock() {
 
 /// An upstream that echoes what it received, to check pass-through.
 async fn echo_server() -> SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    tokio::spawn(async move {
-        loop {
-            let Ok((stream, _)) = listener.accept().await else {
-                return;
-            };
-            tokio::spawn(async move {
-                let svc = hyper::service::service_fn(|req: Request<Incoming>| async move {
-                    let mut headers = serde_json::Map::new();
-                    for (k, v) in req.headers() {
-                        headers.insert(k.to_string(), json!(v.to_str().unwrap_or("")));
-                    }
-                    let method = req.method().to_string();
-                    let uri = req.uri().to_string();
-                    let body = req
-                        .into_body()
-                        .collect()
-                        .await
-                        .map(|c| c.to_bytes())
-                        .unwrap_or_default();
-                    let echo = json!({"method": method, "uri": uri, "headers": headers, "body": String::from_utf8_lossy(&body)});
-                    Ok::<_, Infallible>(
-                        Response::builder()
-                            .status(218)
-                            .header("x-from-upstream", "yes")
-                            .body(Full::new(Bytes::from(echo.to_string())))
-                            .expect("response"),
-                    )
-                });
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
-                    .await;
-            });
+    serve(|req: Request<Incoming>| async move {
+        let mut headers = serde_json::Map::new();
+        for (k, v) in req.headers() {
+            headers.insert(k.to_string(), json!(v.to_str().unwrap_or("")));
         }
-    });
-    addr
+        let method = req.method().to_string();
+        let uri = req.uri().to_string();
+        let body = req
+            .into_body()
+            .collect()
+            .await
+            .map(|c| c.to_bytes())
+            .unwrap_or_default();
+        let echo = json!({"method": method, "uri": uri, "headers": headers, "body": String::from_utf8_lossy(&body)});
+        Response::builder()
+            .status(218)
+            .header("x-from-upstream", "yes")
+            .body(Full::new(Bytes::from(echo.to_string())))
+            .expect("response")
+    })
+    .await
 }
 
 #[tokio::test]
@@ -839,7 +765,7 @@ async fn a_store_without_etags_is_ordered_by_the_commit_slot() {
 async fn sigterm_finishes_in_flight_writes_releases_locks_and_exits_zero() {
     let redis = RedisServer::start();
     let store = store().await;
-    let slow = slow_store(store.addr, Duration::from_millis(600)).await;
+    let slow = front_store(store.addr, PutDelay::Every(Duration::from_millis(600))).await;
     let port = free_port();
     let mut proxy = Proc::spawn(&[
         "proxy",
@@ -930,7 +856,7 @@ async fn a_store_enforcing_fencing_tokens_refuses_the_late_write_of_a_lost_grant
         store_args.no_etags = true;
         store_args.enforce_fencing = enforce;
         let store = turnlock::store::start(store_args).await.expect("store");
-        let slow = slow_store(store.addr, Duration::from_millis(800)).await;
+        let slow = front_store(store.addr, PutDelay::Every(Duration::from_millis(800))).await;
         let proxy_a = proxy(proxy_args(slow, Some(&redis))).await;
         let proxy_b = proxy(proxy_args(store.addr, Some(&redis))).await;
         let (a, b) = (client(proxy_a.addr), client(proxy_b.addr));

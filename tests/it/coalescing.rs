@@ -6,12 +6,13 @@
 
 use std::time::Duration;
 
-use crate::support::{
-    append, client, get_doc, message_ids, metric, metrics, proxy, proxy_args, store, store_without_etags, RedisServer,
-};
 use http::Method;
 use serde_json::{json, Value};
 use turnlock::client::{JsonClient, Reply};
+
+use crate::support::{
+    append, client, get_doc, message_ids, metric, metrics, proxy, proxy_args, store, store_without_etags, RedisServer,
+};
 
 /// Writes queued behind the held lock.
 const QUEUED: usize = 12;

@@ -5,21 +5,20 @@
 //! loses its counter.
 
 use std::collections::HashMap;
-use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::support::relay::{OnPut, Relay};
-use crate::support::*;
 use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use serde_json::{json, Value};
-use tokio::net::TcpListener;
 use turnlock::client::{JsonClient, Reply};
+
+use crate::support::relay::{OnPut, Relay};
+use crate::support::*;
 
 /// Appends until acknowledged; retryable answers (503) are counted in `retried`. Any other
 /// refusal is returned as is.
@@ -569,27 +568,13 @@ struct EventState {
 
 impl EventStore {
     async fn start(delay: Duration) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let addr = listener.local_addr().expect("addr");
         let state = Arc::new(EventState::default());
         let st = state.clone();
-        tokio::spawn(async move {
-            loop {
-                let Ok((stream, _)) = listener.accept().await else {
-                    return;
-                };
-                let st = st.clone();
-                tokio::spawn(async move {
-                    let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
-                        let st = st.clone();
-                        async move { Ok::<_, Infallible>(st.serve(req, delay).await) }
-                    });
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
-                        .await;
-                });
-            }
-        });
+        let addr = serve(move |req: Request<Incoming>| {
+            let st = st.clone();
+            async move { st.serve(req, delay).await }
+        })
+        .await;
         Self { addr, state }
     }
 

@@ -7,11 +7,12 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::support::*;
 use http::{Method, StatusCode};
 use serde_json::{json, Value};
 use tokio::sync::Mutex;
 use turnlock::client::JsonClient;
+
+use crate::support::*;
 
 const WRITERS: usize = 16;
 const SESSIONS: usize = 10;

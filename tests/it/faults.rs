@@ -8,10 +8,11 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use turnlock::config::ProxyArgs;
+
 use crate::support::ledger::*;
 use crate::support::relay::{Link, OnPut, Relay};
 use crate::support::*;
-use turnlock::config::ProxyArgs;
 
 const LEASE_MS: u64 = 600;
 const BUDGET_MS: u64 = 300;

@@ -9,10 +9,11 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
+use turnlock::config::ProxyArgs;
+
 use crate::support::ledger::*;
 use crate::support::relay::{Link, OnPut, Relay};
 use crate::support::*;
-use turnlock::config::ProxyArgs;
 
 const LEASE_MS: u64 = 1000;
 const PRIMARY_NAME: &str = "turnlock-primary";

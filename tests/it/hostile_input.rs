@@ -5,11 +5,12 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use crate::support::ledger::lock_keys;
-use crate::support::*;
 use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
+
+use crate::support::ledger::lock_keys;
+use crate::support::*;
 
 const MAX_BODY: usize = 4096;
 

@@ -1,9 +1,10 @@
 //! With Redis, what a write committed under the lock (its idempotency record, the version
 //! snapshot for three-way merges) is stored in the same round trip as the lock's release.
 
-use crate::support::{client, get_doc, message_ids, proxy, proxy_args, store, Monitor, RedisServer};
 use http::Method;
 use serde_json::json;
+
+use crate::support::{client, get_doc, message_ids, proxy, proxy_args, store, Monitor, RedisServer};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn records_stored_with_the_release_answer_retries_and_merges() {

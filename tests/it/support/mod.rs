@@ -1,10 +1,13 @@
 //! Shared test harness: real `redis-server` processes on free ports, in-process stores and
 //! proxies on loopback, and `turnlock` processes for the tests that signal or kill them.
 //! `relay` injects faults between two sockets; `ledger` runs concurrent writers and checks
-//! what they were told against what the store holds.
+//! what they were told against what the store holds; `stores` serves stand-in upstreams.
 
 pub mod ledger;
 pub mod relay;
+mod stores;
+
+pub use stores::{front_store, serve, PutDelay};
 
 use std::io::{BufRead, BufReader};
 use std::net::{SocketAddr, TcpListener, TcpStream};
