@@ -482,7 +482,7 @@ async fn an_expired_lease_of_a_dead_holder_is_taken_over() {
         started.elapsed() >= Duration::from_millis(300),
         "the lock was taken while still leased"
     );
-    assert!(redis.keys("turnlock:session:{*}:[0-9]*").is_empty(), "lock left behind");
+    assert!(redis.lock_keys().is_empty(), "lock left behind");
 }
 
 #[tokio::test]
@@ -541,10 +541,7 @@ async fn upstream_down_or_silent_gives_502_or_504_and_releases_the_lock() {
         (r.status, r.json["error"].as_str()),
         (StatusCode::GATEWAY_TIMEOUT, Some("upstream_timeout"))
     );
-    assert!(
-        redis.keys("turnlock:session:{*}:[0-9]*").is_empty(),
-        "lock left behind after upstream failure"
-    );
+    assert!(redis.lock_keys().is_empty(), "lock left behind after upstream failure");
 }
 
 /// An upstream that echoes what it received, to check pass-through.
@@ -800,10 +797,7 @@ async fn sigterm_finishes_in_flight_writes_releases_locks_and_exits_zero() {
     }
     let exit = exit.expect("proxy still running 5 s after SIGTERM");
     assert!(exit.success(), "exit status {exit:?}");
-    assert!(
-        redis.keys("turnlock:session:{*}:[0-9]*").is_empty(),
-        "lock left behind at shutdown"
-    );
+    assert!(redis.lock_keys().is_empty(), "lock left behind at shutdown");
     assert_eq!(
         message_ids(&get_doc(&client(store.addr), "term").await.json),
         ["in-flight"]

@@ -746,18 +746,6 @@ async fn a_store_refusing_a_document_as_too_large_is_a_413_not_a_502() {
     s.stop().await;
 }
 
-fn used_memory(redis: &RedisServer) -> u64 {
-    let info = match redis.cmd(&["INFO", "memory"]) {
-        redis::Value::BulkString(b) => String::from_utf8_lossy(&b).into_owned(),
-        redis::Value::VerbatimString { text, .. } => text,
-        other => panic!("INFO: {other:?}"),
-    };
-    info.lines()
-        .find_map(|l| l.strip_prefix("used_memory:"))
-        .and_then(|v| v.trim().parse().ok())
-        .expect("used_memory")
-}
-
 #[tokio::test]
 async fn version_snapshots_stay_small_whatever_the_size_of_state() {
     let redis = RedisServer::start();
@@ -773,7 +761,7 @@ async fn version_snapshots_stay_small_whatever_the_size_of_state() {
     )
     .await;
     assert!(r.status.is_success(), "{}", r.json);
-    let before = used_memory(&redis);
+    let before = redis.info("memory", "used_memory").parse::<u64>().expect("used_memory");
     let writes = 100u64;
     for i in 0..writes {
         let r = send(
@@ -786,7 +774,7 @@ async fn version_snapshots_stay_small_whatever_the_size_of_state() {
         .await;
         assert_eq!(r.status, StatusCode::OK);
     }
-    let after = used_memory(&redis);
+    let after = redis.info("memory", "used_memory").parse::<u64>().expect("used_memory");
     let per_write = after.saturating_sub(before) / writes;
     println!("redis bytes per write with a 500 KB state: {per_write} ({before} -> {after})");
     assert!(per_write < 4_096, "each write keeps {per_write} bytes in Redis");

@@ -20,10 +20,10 @@ const BUDGET_MS: u64 = 300;
 /// Every lock is gone within a few leases (released, or expired after a fault).
 async fn assert_no_locks_left(redis: &RedisServer) {
     let gone = eventually(lease() * 4, Duration::from_millis(50), || async {
-        lock_keys(redis).is_empty()
+        redis.lock_keys().is_empty()
     })
     .await;
-    assert!(gone.is_some(), "locks left behind: {:?}", lock_keys(redis));
+    assert!(gone.is_some(), "locks left behind: {:?}", redis.lock_keys());
 }
 
 fn lease() -> Duration {
@@ -171,9 +171,9 @@ async fn crashed_holder_locks_are_taken_over_after_the_lease() {
         "A never held the locks"
     );
     assert!(
-        lock_keys(&redis).len() >= held.len(),
+        redis.lock_keys().len() >= held.len(),
         "A holds no lock: {:?}",
-        lock_keys(&redis)
+        redis.lock_keys()
     );
     a.proc.signal("KILL");
 

@@ -96,13 +96,6 @@ fn args(upstream: &str, redis: &str) -> ProxyArgs {
     a
 }
 
-fn info_field(server: &RedisServer, field: &str) -> String {
-    let info: String = redis::from_redis_value(server.cmd(&["INFO", "replication"])).expect("INFO");
-    info.lines()
-        .find_map(|l| l.strip_prefix(&format!("{field}:")).map(|v| v.trim().to_owned()))
-        .unwrap_or_default()
-}
-
 /// Median write latency of two proxies, measured alternately (`n` writes each) so that
 /// background load weighs on both alike.
 async fn median_writes(
@@ -136,7 +129,7 @@ async fn sentinel_failover_with_unreplicated_grant_loses_no_update() {
     let replica = RedisServer::start_with(&["--replicaof", "127.0.0.1", &repl_port]);
     assert!(
         eventually(Duration::from_secs(15), Duration::from_millis(50), || async {
-            info_field(&replica, "master_link_status") == "up"
+            replica.info("replication", "master_link_status") == "up"
         })
         .await
         .is_some(),
@@ -217,7 +210,7 @@ async fn sentinel_failover_with_unreplicated_grant_loses_no_update() {
     primary.kill();
     repl_link.set_link(Link::Refuse);
     let promoted = eventually(Duration::from_secs(30), Duration::from_millis(100), || async {
-        sentinel.primary_port() == Some(replica.port) && info_field(&replica, "role") == "master"
+        sentinel.primary_port() == Some(replica.port) && replica.info("replication", "role") == "master"
     })
     .await;
     assert!(promoted.is_some(), "the replica was never promoted");

@@ -9,7 +9,6 @@ use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use crate::support::ledger::lock_keys;
 use crate::support::*;
 
 const MAX_BODY: usize = 4096;
@@ -410,9 +409,9 @@ async fn hostile_requests_get_clear_4xx_and_leave_nothing_behind() {
     // Nothing was written for the refused requests, and no lock is left.
     assert_eq!(get_doc(&client(store.addr), "hostile").await.status, 404);
     assert!(
-        lock_keys(&redis).is_empty(),
+        redis.lock_keys().is_empty(),
         "locks left behind: {:?}",
-        lock_keys(&redis)
+        redis.lock_keys()
     );
     // Other sessions were not affected and are still served.
     assert_eq!(get_doc(&client(store.addr), "canary").await.json, canary_before);

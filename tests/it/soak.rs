@@ -131,11 +131,11 @@ async fn soak_keeps_memory_and_descriptors_flat_and_leaves_no_locks() {
     );
     assert!(
         eventually(Duration::from_secs(5), Duration::from_millis(50), || async {
-            lock_keys(&redis).is_empty()
+            redis.lock_keys().is_empty()
         })
         .await
         .is_some(),
         "lock keys left in Redis: {:?}",
-        lock_keys(&redis)
+        redis.lock_keys()
     );
 }

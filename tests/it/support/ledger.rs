@@ -286,11 +286,6 @@ pub fn sessions(tag: &str, n: usize) -> Vec<String> {
     (0..n).map(|i| format!("{tag}-{i}")).collect()
 }
 
-/// Lock keys left in Redis.
-pub fn lock_keys(redis: &crate::support::RedisServer) -> Vec<String> {
-    redis.keys("turnlock:session:{*}:[0-9]*")
-}
-
 /// Polls `f` every `every` until it returns true or `timeout` passes.
 pub async fn eventually<F, Fut>(timeout: Duration, every: Duration, mut f: F) -> Option<Duration>
 where

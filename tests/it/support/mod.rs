@@ -125,6 +125,23 @@ impl RedisServer {
         let mut conn = client.get_connection().expect("redis connection");
         redis::cmd("KEYS").arg(pattern).query(&mut conn).expect("KEYS")
     }
+
+    /// The session-turn lock keys held in this server.
+    pub fn lock_keys(&self) -> Vec<String> {
+        self.keys("turnlock:session:{*}:[0-9]*")
+    }
+
+    /// One field of `INFO <section>` (empty when absent).
+    pub fn info(&self, section: &str, field: &str) -> String {
+        let info = match self.cmd(&["INFO", section]) {
+            redis::Value::BulkString(b) => String::from_utf8_lossy(&b).into_owned(),
+            redis::Value::VerbatimString { text, .. } => text,
+            other => panic!("INFO {section}: {other:?}"),
+        };
+        info.lines()
+            .find_map(|l| l.strip_prefix(&format!("{field}:")).map(|v| v.trim().to_owned()))
+            .unwrap_or_default()
+    }
 }
 
 /// `MONITOR` on a Redis server, through a `redis-cli` process: every command the server runs,
