@@ -4,14 +4,12 @@
 //! as different writes; none reaches the store unlocked. Routes-file mistakes stop the proxy
 //! at startup with a message saying what to fix.
 
-mod common;
-
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 
+use crate::support::*;
 use bytes::Bytes;
-use common::*;
 use http::{Method, Request, Response};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;

@@ -1,14 +1,12 @@
 //! Pass-through forwarding over real sockets: the upstream timeout bounds the store's answer,
 //! not the client's own upload, and WebSocket / `Upgrade` requests become tunnels.
 
-mod common;
-
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
+use crate::support::*;
 use bytes::Bytes;
-use common::*;
 use http::{Request, Response};
 use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::{Frame, Incoming};

@@ -2,18 +2,15 @@
 //! contention, a shutdown bounded by its grace, keep-alive clients during the drain, and a
 //! store that closes idle connections silently.
 
-mod common;
-mod faultkit;
-
 use std::net::SocketAddr;
 use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::*;
-use faultkit::relay::{OnPut, Relay};
-use faultkit::{append, readyz, ProxyProc};
+use crate::support::ledger::*;
+use crate::support::relay::{OnPut, Relay};
+use crate::support::*;
 use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use turnlock::client::JsonClient;
@@ -42,9 +39,11 @@ fn wait_exit(child: &mut std::process::Child, limit: Duration) -> (Option<i32>, 
 async fn a_redis_outage_keeps_the_sidecar_ready_reads_flowing_and_shows_in_status() {
     let store = store().await;
     let mut redis = RedisServer::start();
-    let proxy = ProxyProc::spawn(&format!("http://{}", store.addr), &redis.url(), &[]);
+    let proxy = ProxyProc::spawn(&format!("http://{}", store.addr), Some(&redis.url()), &[]);
     let client = proxy.client();
-    let ok = append(&client, "outage-1", 1, "m1", true, &[]).await.expect("write");
+    let ok = try_append(&client, "outage-1", 1, "m1", true, &[])
+        .await
+        .expect("write");
     assert!(ok.status.is_success(), "{}", String::from_utf8_lossy(&ok.body));
     assert_eq!(readyz(proxy.admin).await, 200);
 
@@ -77,7 +76,9 @@ async fn a_redis_outage_keeps_the_sidecar_ready_reads_flowing_and_shows_in_statu
     let read = get_doc(&client, "outage-1").await;
     assert_eq!(read.status, 200);
     let started = Instant::now();
-    let refused = append(&client, "outage-1", 2, "m2", true, &[]).await.expect("write");
+    let refused = try_append(&client, "outage-1", 2, "m2", true, &[])
+        .await
+        .expect("write");
     assert_eq!(refused.status, 503);
     assert_eq!(refused.json["error"], "lock_unavailable", "{}", refused.json);
     assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
@@ -96,15 +97,15 @@ async fn a_redis_outage_keeps_the_sidecar_ready_reads_flowing_and_shows_in_statu
 async fn a_hung_redis_is_answered_lock_unavailable_not_session_busy() {
     let store = store().await;
     let redis = RedisServer::start();
-    let proxy = ProxyProc::spawn(&format!("http://{}", store.addr), &redis.url(), &[]);
+    let proxy = ProxyProc::spawn(&format!("http://{}", store.addr), Some(&redis.url()), &[]);
     let client = proxy.client();
-    let ok = append(&client, "hung-1", 1, "m1", true, &[]).await.expect("write");
+    let ok = try_append(&client, "hung-1", 1, "m1", true, &[]).await.expect("write");
     assert!(ok.status.is_success());
 
     redis.signal("STOP");
     let mut codes = Vec::new();
     for i in 0..6u64 {
-        let r = append(&client, &format!("hung-{i}"), 2, &format!("x{i}"), true, &[]).await;
+        let r = try_append(&client, &format!("hung-{i}"), 2, &format!("x{i}"), true, &[]).await;
         codes.push(
             r.map(|r| r.json["error"].as_str().unwrap_or("").to_owned())
                 .unwrap_or_default(),
@@ -128,13 +129,13 @@ async fn shutdown_with_a_hung_redis_and_held_writes_ends_within_the_grace_and_sa
     let store = store().await;
     let relay = Relay::start(store.addr).await;
     let redis = RedisServer::start();
-    let proxy = ProxyProc::spawn(&relay.url("http"), &redis.url(), &["--shutdown-grace-ms", "1000"]);
+    let proxy = ProxyProc::spawn(&relay.url("http"), Some(&redis.url()), &["--shutdown-grace-ms", "1000"]);
     relay.on_put(OnPut::Hold);
     let client = proxy.client();
     let writers: Vec<_> = (0..8u64)
         .map(|i| {
             let client = client.clone();
-            tokio::spawn(async move { append(&client, &format!("drain-{i}"), 1, "m", true, &[]).await })
+            tokio::spawn(async move { try_append(&client, &format!("drain-{i}"), 1, "m", true, &[]).await })
         })
         .collect();
     assert!(
@@ -167,10 +168,14 @@ async fn a_second_signal_exits_at_once() {
     let store = store().await;
     let relay = Relay::start(store.addr).await;
     let redis = RedisServer::start();
-    let proxy = ProxyProc::spawn(&relay.url("http"), &redis.url(), &["--shutdown-grace-ms", "30000"]);
+    let proxy = ProxyProc::spawn(
+        &relay.url("http"),
+        Some(&redis.url()),
+        &["--shutdown-grace-ms", "30000"],
+    );
     relay.on_put(OnPut::Hold);
     let client = proxy.client();
-    let writer = tokio::spawn(async move { append(&client, "second-1", 1, "m", true, &[]).await });
+    let writer = tokio::spawn(async move { try_append(&client, "second-1", 1, "m", true, &[]).await });
     assert!(relay.wait_held(1, Duration::from_secs(10)).await);
     let mut proc = proxy.proc;
     proc.signal("TERM");
@@ -354,7 +359,7 @@ async fn the_store_pool_is_capped_and_idle_connections_are_reaped() {
     }
     let peak = tiny.peak.load(Ordering::SeqCst);
     assert!(peak <= 4, "{peak} store connections open at once with a cap of 4");
-    let reaped = faultkit::eventually(Duration::from_secs(5), Duration::from_millis(50), || {
+    let reaped = eventually(Duration::from_secs(5), Duration::from_millis(50), || {
         let open = tiny.open.clone();
         async move { open.load(Ordering::SeqCst) == 0 }
     })
@@ -409,14 +414,14 @@ async fn each_write_is_logged_once_at_info_failures_warn_rate_limited_and_no_col
     wait_for_port(port, Duration::from_secs(10));
     let client = client(SocketAddr::from(([127, 0, 0, 1], port)));
     for turn in 1..=3u64 {
-        let r = append(&client, "logged-1", turn, &format!("m{turn}"), true, &[])
+        let r = try_append(&client, "logged-1", turn, &format!("m{turn}"), true, &[])
             .await
             .expect("write");
         assert!(r.status.is_success());
     }
     redis.kill();
     for turn in 4..=23u64 {
-        let _ = append(&client, "logged-1", turn, &format!("m{turn}"), true, &[]).await;
+        let _ = try_append(&client, "logged-1", turn, &format!("m{turn}"), true, &[]).await;
     }
     proc.signal("TERM");
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -491,7 +496,7 @@ async fn writes_succeed_when_the_store_closes_idle_connections_silently() {
     let mut statuses = Vec::new();
     for turn in 1..=10u64 {
         tokio::time::sleep(Duration::from_millis(80)).await;
-        let r = append(&client, "stale-write", turn, &format!("m{turn}"), true, &[])
+        let r = try_append(&client, "stale-write", turn, &format!("m{turn}"), true, &[])
             .await
             .map(|r| (r.status.as_u16(), r.json["error"].as_str().unwrap_or("").to_owned()))
             .unwrap_or((0, String::new()));

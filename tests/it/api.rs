@@ -2,20 +2,19 @@
 //! code, pass-through, idempotency, the lock's budget, lease renewal and expiry, serialize
 //! routes, metrics and readiness.
 
-mod common;
-
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::*;
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
-use turnlock::client::{JsonClient, Reply};
+use turnlock::client::JsonClient;
+
+use crate::support::*;
 
 struct Stack {
     store: turnlock::store::RunningStore,
@@ -33,25 +32,6 @@ async fn stack() -> Stack {
         store,
         proxy,
     }
-}
-
-async fn send(c: &JsonClient, method: Method, path: &str, body: Value, headers: &[(&str, String)]) -> Reply {
-    c.send(method, path, Some(&body), headers).await.expect("request")
-}
-
-async fn append(c: &JsonClient, session: &str, turn: u64, ids: &[&str]) -> Reply {
-    let messages: Vec<Value> = ids
-        .iter()
-        .map(|id| json!({"id": id, "role": "user", "content": id}))
-        .collect();
-    send(
-        c,
-        Method::POST,
-        &format!("/v1/sessions/{session}/messages"),
-        json!({"turn": turn, "messages": messages}),
-        &[],
-    )
-    .await
 }
 
 /// Sends raw bytes with a content type, for the malformed-input cases.
@@ -83,7 +63,7 @@ async fn raw(
 #[tokio::test]
 async fn append_creates_the_session_then_appends_with_version_and_etag() {
     let s = stack().await;
-    let r = append(&s.agent, "a1", 1, &["m1", "m2"]).await;
+    let r = append_ids(&s.agent, "a1", 1, &["m1", "m2"]).await;
     assert_eq!(r.status, StatusCode::CREATED);
     assert_eq!(
         (r.json["turn"].as_u64(), r.json["version"].as_u64()),
@@ -91,7 +71,7 @@ async fn append_creates_the_session_then_appends_with_version_and_etag() {
     );
     assert_eq!(r.json["message_ids"], json!(["m1", "m2"]));
     assert_eq!(r.headers["etag"], "\"1\"");
-    let r = append(&s.agent, "a1", 2, &["m2", "m3"]).await;
+    let r = append_ids(&s.agent, "a1", 2, &["m2", "m3"]).await;
     assert_eq!(r.status, StatusCode::OK);
     assert_eq!(r.json["version"], 2);
     let doc = get_doc(&s.direct, "a1").await.json;
@@ -105,8 +85,8 @@ async fn append_creates_the_session_then_appends_with_version_and_etag() {
 #[tokio::test]
 async fn stale_turn_is_rejected_with_current_turn() {
     let s = stack().await;
-    append(&s.agent, "st", 7, &["a"]).await;
-    let r = append(&s.agent, "st", 5, &["late"]).await;
+    append_ids(&s.agent, "st", 7, &["a"]).await;
+    let r = append_ids(&s.agent, "st", 5, &["late"]).await;
     assert_eq!(r.status, StatusCode::CONFLICT);
     assert_eq!(r.json["error"], "stale_turn");
     assert_eq!(r.json["current_turn"], 7);
@@ -153,7 +133,7 @@ async fn turn_comes_from_the_body_or_the_header_and_they_must_agree() {
 #[tokio::test]
 async fn malformed_writes_get_specific_400s_and_change_nothing() {
     let s = stack().await;
-    append(&s.agent, "bad", 1, &["keep"]).await;
+    append_ids(&s.agent, "bad", 1, &["keep"]).await;
     let p = "/v1/sessions/bad/messages";
     let cases: Vec<(&'static [u8], &str)> = vec![
         (b"{\"turn\": 1, \"messages\": [", "malformed_json"),
@@ -277,10 +257,10 @@ async fn bodies_over_the_limit_get_413_declared_or_streamed() {
 #[tokio::test]
 async fn merged_put_from_a_stale_copy_keeps_everything_acknowledged() {
     let s = stack().await;
-    append(&s.agent, "mp", 1, &["a"]).await;
+    append_ids(&s.agent, "mp", 1, &["a"]).await;
     let copy = get_doc(&s.agent, "mp").await.json;
     // Meanwhile another replica appends and changes its own field.
-    append(&s.agent, "mp", 1, &["b"]).await;
+    append_ids(&s.agent, "mp", 1, &["b"]).await;
     send(
         &s.agent,
         Method::PATCH,
@@ -328,7 +308,7 @@ async fn merged_put_from_a_stale_copy_keeps_everything_acknowledged() {
 #[tokio::test]
 async fn compaction_commutes_with_appends_and_stale_copies_do_not_bring_messages_back() {
     let s = stack().await;
-    append(&s.agent, "cp", 1, &["a", "b", "c"]).await;
+    append_ids(&s.agent, "cp", 1, &["a", "b", "c"]).await;
     let copy = get_doc(&s.agent, "cp").await.json;
     let r = send(
         &s.agent,
@@ -339,7 +319,7 @@ async fn compaction_commutes_with_appends_and_stale_copies_do_not_bring_messages
     )
     .await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.json);
-    append(&s.agent, "cp", 1, &["d"]).await;
+    append_ids(&s.agent, "cp", 1, &["d"]).await;
     let mut mine = copy;
     mine["messages"]
         .as_array_mut()
@@ -379,7 +359,7 @@ async fn compaction_commutes_with_appends_and_stale_copies_do_not_bring_messages
 #[tokio::test]
 async fn replacement_needs_if_match_and_the_current_version() {
     let s = stack().await;
-    append(&s.agent, "rp", 1, &["a"]).await;
+    append_ids(&s.agent, "rp", 1, &["a"]).await;
     let doc = json!({"turn": 1, "messages": [{"id": "z"}], "state": {"fresh": true}});
     let replace = ("x-context-replace", "true".to_string());
     let r = send(
@@ -472,7 +452,7 @@ async fn lock_not_obtained_within_the_budget_is_session_busy_with_retry_after() 
     // Another owner holds the lock of turn 1 of this session.
     redis.cmd(&["SET", "turnlock:session:{busy}:1", "someone-else", "PX", "5000"]);
     let started = std::time::Instant::now();
-    let r = append(&client(proxy.addr), "busy", 1, &["x"]).await;
+    let r = append_ids(&client(proxy.addr), "busy", 1, &["x"]).await;
     assert_eq!(
         (r.status, r.json["error"].as_str()),
         (StatusCode::SERVICE_UNAVAILABLE, Some("session_busy"))
@@ -482,7 +462,7 @@ async fn lock_not_obtained_within_the_budget_is_session_busy_with_retry_after() 
     assert_eq!(get_doc(&client(store.addr), "busy").await.status, StatusCode::NOT_FOUND);
     // Another turn of the same session is a different lock.
     assert_eq!(
-        append(&client(proxy.addr), "busy", 2, &["y"]).await.status,
+        append_ids(&client(proxy.addr), "busy", 2, &["y"]).await.status,
         StatusCode::CREATED
     );
 }
@@ -496,83 +476,24 @@ async fn an_expired_lease_of_a_dead_holder_is_taken_over() {
     let proxy = proxy(args).await;
     redis.cmd(&["SET", "turnlock:session:{dead}:1", "crashed-owner", "PX", "400"]);
     let started = std::time::Instant::now();
-    let r = append(&client(proxy.addr), "dead", 1, &["x"]).await;
+    let r = append_ids(&client(proxy.addr), "dead", 1, &["x"]).await;
     assert_eq!(r.status, StatusCode::CREATED, "{}", r.json);
     assert!(
         started.elapsed() >= Duration::from_millis(300),
         "the lock was taken while still leased"
     );
-    assert!(redis.keys("turnlock:session:{*}:[0-9]*").is_empty(), "lock left behind");
-}
-
-/// A store that answers writes slowly: requests are forwarded to the real store, PUTs after
-/// `delay`.
-async fn slow_store(target: SocketAddr, delay: Duration) -> SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    tokio::spawn(async move {
-        let direct = JsonClient::new(format!("http://{target}"));
-        loop {
-            let Ok((stream, _)) = listener.accept().await else {
-                return;
-            };
-            let direct = direct.clone();
-            tokio::spawn(async move {
-                let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
-                    let direct = direct.clone();
-                    async move {
-                        let method = req.method().clone();
-                        let path = req.uri().path().to_owned();
-                        let headers: Vec<(String, String)> = ["if-match", "if-none-match", "x-fencing-token"]
-                            .iter()
-                            .filter_map(|h| Some((h.to_string(), req.headers().get(*h)?.to_str().ok()?.to_owned())))
-                            .collect();
-                        let body = req
-                            .into_body()
-                            .collect()
-                            .await
-                            .map(|c| c.to_bytes())
-                            .unwrap_or_default();
-                        if method == Method::PUT {
-                            tokio::time::sleep(delay).await;
-                        }
-                        let json: Option<Value> = serde_json::from_slice(&body).ok();
-                        let hdrs: Vec<(&str, String)> = headers.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
-                        let reply = direct.send(method, &path, json.as_ref(), &hdrs).await;
-                        let res = match reply {
-                            Ok(r) => {
-                                let mut b = Response::builder().status(r.status);
-                                if let Some(e) = r.headers.get("etag") {
-                                    b = b.header("etag", e);
-                                }
-                                b.body(Full::new(r.body)).expect("response")
-                            }
-                            Err(_) => Response::builder()
-                                .status(502)
-                                .body(Full::new(Bytes::new()))
-                                .expect("response"),
-                        };
-                        Ok::<_, Infallible>(res)
-                    }
-                });
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
-                    .await;
-            });
-        }
-    });
-    addr
+    assert!(redis.lock_keys().is_empty(), "lock left behind");
 }
 
 #[tokio::test]
 async fn a_slow_write_keeps_its_lease_by_renewal() {
     let redis = RedisServer::start();
     let store = store().await;
-    let slow = slow_store(store.addr, Duration::from_millis(700)).await;
+    let slow = front_store(store.addr, PutDelay::Every(Duration::from_millis(700))).await;
     let mut args = proxy_args(slow, Some(&redis));
     args.lock_ttl_ms = 200;
     let proxy = proxy(args).await;
-    let r = append(&client(proxy.addr), "slow", 1, &["a"]).await;
+    let r = append_ids(&client(proxy.addr), "slow", 1, &["a"]).await;
     assert_eq!(r.status, StatusCode::CREATED, "{}", r.json);
     let metrics = proxy.metrics.encode();
     let renewed = metrics
@@ -593,7 +514,7 @@ async fn upstream_down_or_silent_gives_502_or_504_and_releases_the_lock() {
     // Nothing listens on this port.
     let dead: SocketAddr = ([127, 0, 0, 1], free_port()).into();
     let proxy_dead = proxy(proxy_args(dead, Some(&redis))).await;
-    let r = append(&client(proxy_dead.addr), "u", 1, &["a"]).await;
+    let r = append_ids(&client(proxy_dead.addr), "u", 1, &["a"]).await;
     assert_eq!(
         (r.status, r.json["error"].as_str()),
         (StatusCode::BAD_GATEWAY, Some("upstream_unavailable"))
@@ -615,56 +536,37 @@ async fn upstream_down_or_silent_gives_502_or_504_and_releases_the_lock() {
     let mut args = proxy_args(silent_addr, Some(&redis));
     args.upstream_timeout_ms = 300;
     let proxy_silent = proxy(args).await;
-    let r = append(&client(proxy_silent.addr), "u", 1, &["a"]).await;
+    let r = append_ids(&client(proxy_silent.addr), "u", 1, &["a"]).await;
     assert_eq!(
         (r.status, r.json["error"].as_str()),
         (StatusCode::GATEWAY_TIMEOUT, Some("upstream_timeout"))
     );
-    assert!(
-        redis.keys("turnlock:session:{*}:[0-9]*").is_empty(),
-        "lock left behind after upstream failure"
-    );
+    assert!(redis.lock_keys().is_empty(), "lock left behind after upstream failure");
 }
 
 /// An upstream that echoes what it received, to check pass-through.
 async fn echo_server() -> SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    tokio::spawn(async move {
-        loop {
-            let Ok((stream, _)) = listener.accept().await else {
-                return;
-            };
-            tokio::spawn(async move {
-                let svc = hyper::service::service_fn(|req: Request<Incoming>| async move {
-                    let mut headers = serde_json::Map::new();
-                    for (k, v) in req.headers() {
-                        headers.insert(k.to_string(), json!(v.to_str().unwrap_or("")));
-                    }
-                    let method = req.method().to_string();
-                    let uri = req.uri().to_string();
-                    let body = req
-                        .into_body()
-                        .collect()
-                        .await
-                        .map(|c| c.to_bytes())
-                        .unwrap_or_default();
-                    let echo = json!({"method": method, "uri": uri, "headers": headers, "body": String::from_utf8_lossy(&body)});
-                    Ok::<_, Infallible>(
-                        Response::builder()
-                            .status(218)
-                            .header("x-from-upstream", "yes")
-                            .body(Full::new(Bytes::from(echo.to_string())))
-                            .expect("response"),
-                    )
-                });
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
-                    .await;
-            });
+    serve(|req: Request<Incoming>| async move {
+        let mut headers = serde_json::Map::new();
+        for (k, v) in req.headers() {
+            headers.insert(k.to_string(), json!(v.to_str().unwrap_or("")));
         }
-    });
-    addr
+        let method = req.method().to_string();
+        let uri = req.uri().to_string();
+        let body = req
+            .into_body()
+            .collect()
+            .await
+            .map(|c| c.to_bytes())
+            .unwrap_or_default();
+        let echo = json!({"method": method, "uri": uri, "headers": headers, "body": String::from_utf8_lossy(&body)});
+        Response::builder()
+            .status(218)
+            .header("x-from-upstream", "yes")
+            .body(Full::new(Bytes::from(echo.to_string())))
+            .expect("response")
+    })
+    .await
 }
 
 #[tokio::test]
@@ -838,7 +740,7 @@ async fn a_store_without_etags_is_ordered_by_the_commit_slot() {
         tasks.push(tokio::spawn(async move {
             let id = format!("m{i}");
             for _ in 0..50 {
-                let r = append(&agent, "nf", 1 + i % 3, &[&id]).await;
+                let r = append_ids(&agent, "nf", 1 + i % 3, &[&id]).await;
                 if r.status.is_success() {
                     return Some(id);
                 }
@@ -875,7 +777,7 @@ async fn a_store_without_etags_is_ordered_by_the_commit_slot() {
 async fn sigterm_finishes_in_flight_writes_releases_locks_and_exits_zero() {
     let redis = RedisServer::start();
     let store = store().await;
-    let slow = slow_store(store.addr, Duration::from_millis(600)).await;
+    let slow = front_store(store.addr, PutDelay::Every(Duration::from_millis(600))).await;
     let port = free_port();
     let mut proxy = Proc::spawn(&[
         "proxy",
@@ -890,7 +792,7 @@ async fn sigterm_finishes_in_flight_writes_releases_locks_and_exits_zero() {
     ]);
     wait_for_port(port, Duration::from_secs(10));
     let agent = JsonClient::new(format!("http://127.0.0.1:{port}"));
-    let write = tokio::spawn(async move { append(&agent, "term", 1, &["in-flight"]).await });
+    let write = tokio::spawn(async move { append_ids(&agent, "term", 1, &["in-flight"]).await });
     tokio::time::sleep(Duration::from_millis(200)).await;
     proxy.signal("TERM");
     let r = write.await.expect("write task");
@@ -910,10 +812,7 @@ async fn sigterm_finishes_in_flight_writes_releases_locks_and_exits_zero() {
     }
     let exit = exit.expect("proxy still running 5 s after SIGTERM");
     assert!(exit.success(), "exit status {exit:?}");
-    assert!(
-        redis.keys("turnlock:session:{*}:[0-9]*").is_empty(),
-        "lock left behind at shutdown"
-    );
+    assert!(redis.lock_keys().is_empty(), "lock left behind at shutdown");
     assert_eq!(
         message_ids(&get_doc(&client(store.addr), "term").await.json),
         ["in-flight"]
@@ -929,7 +828,7 @@ async fn coalesced_writes_report_the_version_the_store_holds() {
     for i in 0..32 {
         let agent = s.agent.clone();
         tasks.push(tokio::spawn(async move {
-            append(&agent, "co", 1, &[&format!("m{i}")]).await
+            append_ids(&agent, "co", 1, &[&format!("m{i}")]).await
         }));
     }
     let mut versions = std::collections::BTreeSet::new();
@@ -966,18 +865,18 @@ async fn a_store_enforcing_fencing_tokens_refuses_the_late_write_of_a_lost_grant
         store_args.no_etags = true;
         store_args.enforce_fencing = enforce;
         let store = turnlock::store::start(store_args).await.expect("store");
-        let slow = slow_store(store.addr, Duration::from_millis(800)).await;
+        let slow = front_store(store.addr, PutDelay::Every(Duration::from_millis(800))).await;
         let proxy_a = proxy(proxy_args(slow, Some(&redis))).await;
         let proxy_b = proxy(proxy_args(store.addr, Some(&redis))).await;
         let (a, b) = (client(proxy_a.addr), client(proxy_b.addr));
-        assert_eq!(append(&b, "fx", 1, &["b0"]).await.status, StatusCode::CREATED);
-        let late = tokio::spawn(async move { append(&a, "fx", 1, &["a1"]).await });
+        assert_eq!(append_ids(&b, "fx", 1, &["b0"]).await.status, StatusCode::CREATED);
+        let late = tokio::spawn(async move { append_ids(&a, "fx", 1, &["a1"]).await });
         tokio::time::sleep(Duration::from_millis(250)).await;
         // A's grant and commit slot are lost while its write-back is on its way.
         let slots = redis.keys("turnlock:session:{fx}:*:slot");
         assert_eq!(slots.len(), 1, "A holds the document's commit slot while it writes");
         redis.cmd(&["DEL", "turnlock:session:{fx}:1", &slots[0]]);
-        let r = append(&b, "fx", 1, &["b1"]).await;
+        let r = append_ids(&b, "fx", 1, &["b1"]).await;
         assert_eq!(r.status, StatusCode::OK, "{}", r.json);
         let late = late.await.expect("late writer");
         let stored = message_ids(&get_doc(&client(store.addr), "fx").await.json);

@@ -5,16 +5,14 @@
 //! Everything runs on loopback: real `redis-server` processes (and a Sentinel), real
 //! `turnlock proxy` processes that are paused and killed, and a fault-injecting TCP relay.
 
-mod common;
-mod faultkit;
-
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use common::*;
-use faultkit::relay::{Link, OnPut, Relay};
-use faultkit::*;
 use turnlock::config::ProxyArgs;
+
+use crate::support::ledger::*;
+use crate::support::relay::{Link, OnPut, Relay};
+use crate::support::*;
 
 const LEASE_MS: u64 = 600;
 const BUDGET_MS: u64 = 300;
@@ -22,10 +20,10 @@ const BUDGET_MS: u64 = 300;
 /// Every lock is gone within a few leases (released, or expired after a fault).
 async fn assert_no_locks_left(redis: &RedisServer) {
     let gone = eventually(lease() * 4, Duration::from_millis(50), || async {
-        lock_keys(redis).is_empty()
+        redis.lock_keys().is_empty()
     })
     .await;
-    assert!(gone.is_some(), "locks left behind: {:?}", lock_keys(redis));
+    assert!(gone.is_some(), "locks left behind: {:?}", redis.lock_keys());
 }
 
 fn lease() -> Duration {
@@ -63,7 +61,7 @@ async fn write_until_acked(
 ) -> bool {
     let hint = AtomicU64::new(0);
     for _ in 0..100 {
-        match append(client, session, turn, token, true, &[]).await {
+        match try_append(client, session, turn, token, true, &[]).await {
             Ok(r) if r.status.is_success() => {
                 record(ledger, &hint, session, turn, token, Ok(r));
                 return true;
@@ -84,7 +82,7 @@ async fn paused_holder_late_write_is_refused() {
     let store = store().await;
     let relay = Relay::start(store.addr).await;
     let extra = proc_flags();
-    let a = ProxyProc::spawn(&relay.url("http"), &redis.url(), &flags(&extra));
+    let a = ProxyProc::spawn(&relay.url("http"), Some(&redis.url()), &flags(&extra));
     let b = proxy(args(&format!("http://{}", store.addr), &redis.url())).await;
     let bc = client(b.addr);
     let all = sessions("paused", 4);
@@ -96,7 +94,7 @@ async fn paused_holder_late_write_is_refused() {
     relay.on_put(OnPut::Hold);
     let ac = a.client();
     let t = target.clone();
-    let late = tokio::spawn(async move { append(&ac, &t, 1, "paused-late", true, &[]).await });
+    let late = tokio::spawn(async move { try_append(&ac, &t, 1, "paused-late", true, &[]).await });
     assert!(relay.wait_held(1, Duration::from_secs(10)).await, "A never wrote back");
     a.proc.signal("STOP");
 
@@ -150,7 +148,7 @@ async fn crashed_holder_locks_are_taken_over_after_the_lease() {
     let store = store().await;
     let relay = Relay::start(store.addr).await;
     let extra = proc_flags();
-    let a = ProxyProc::spawn(&relay.url("http"), &redis.url(), &flags(&extra));
+    let a = ProxyProc::spawn(&relay.url("http"), Some(&redis.url()), &flags(&extra));
     let b = proxy(args(&format!("http://{}", store.addr), &redis.url())).await;
     let bc = client(b.addr);
     let all = sessions("crashed", 6);
@@ -165,7 +163,7 @@ async fn crashed_holder_locks_are_taken_over_after_the_lease() {
     for s in &held {
         let (ac, s) = (a.client(), s.clone());
         pending.push(tokio::spawn(async move {
-            append(&ac, &s, 1, &format!("{s}-dead"), true, &[]).await
+            try_append(&ac, &s, 1, &format!("{s}-dead"), true, &[]).await
         }));
     }
     assert!(
@@ -173,9 +171,9 @@ async fn crashed_holder_locks_are_taken_over_after_the_lease() {
         "A never held the locks"
     );
     assert!(
-        lock_keys(&redis).len() >= held.len(),
+        redis.lock_keys().len() >= held.len(),
         "A holds no lock: {:?}",
-        lock_keys(&redis)
+        redis.lock_keys()
     );
     a.proc.signal("KILL");
 
@@ -191,7 +189,7 @@ async fn crashed_holder_locks_are_taken_over_after_the_lease() {
     let mut took_over = Vec::new();
     for s in &held {
         let took = eventually(lease() * 10, Duration::from_millis(20), || async {
-            let r = append(&bc, s, 1, &format!("{s}-after"), true, &[]).await;
+            let r = try_append(&bc, s, 1, &format!("{s}-after"), true, &[]).await;
             let ok = matches!(&r, Ok(r) if r.status.is_success());
             let hint = AtomicU64::new(0);
             if ok {
@@ -263,7 +261,7 @@ async fn redis_restart_fails_writes_cleanly_and_recovers() {
     assert!(not_ready.is_some(), "/status does not show Redis down");
     assert_eq!((readyz(p1.admin).await, readyz(p2.admin).await), (200, 200));
     for (i, c) in [&c1, &c2].into_iter().enumerate() {
-        let r = append(c, &all[0], 1_000, &format!("restart-probe-{i}"), true, &[])
+        let r = try_append(c, &all[0], 1_000, &format!("restart-probe-{i}"), true, &[])
             .await
             .expect("the proxy answers while Redis is down");
         assert!(
@@ -281,7 +279,7 @@ async fn redis_restart_fails_writes_cleanly_and_recovers() {
         for (i, c) in [&c1, &c2].into_iter().enumerate() {
             let s = format!("restart-recovery-{i}");
             let token = format!("restart-recovered-{i}-{}", rand::random::<u32>());
-            ok &= matches!(append(c, &s, 1, &token, true, &[]).await, Ok(r) if r.status.is_success());
+            ok &= matches!(try_append(c, &s, 1, &token, true, &[]).await, Ok(r) if r.status.is_success());
         }
         ok && dependency_up(p1.admin, "redis").await == Some(true)
             && dependency_up(p2.admin, "redis").await == Some(true)
@@ -336,7 +334,7 @@ async fn network_cut_to_redis_fails_writes_cleanly_and_recovers() {
             "/status does not show Redis down with the link {link:?}"
         );
         assert_eq!(readyz(p1.admin).await, 200, "a Redis outage made the sidecar not ready");
-        let r = append(&c1, &all[0], 1_000, &format!("netcut-probe-{n}"), true, &[])
+        let r = try_append(&c1, &all[0], 1_000, &format!("netcut-probe-{n}"), true, &[])
             .await
             .expect("the proxy answers while cut off");
         assert!(
@@ -350,7 +348,7 @@ async fn network_cut_to_redis_fails_writes_cleanly_and_recovers() {
         relay.set_link(Link::Pass);
         let recovered = eventually(Duration::from_secs(20), Duration::from_millis(50), || async {
             let token = format!("netcut-recovered-{n}-{}", rand::random::<u32>());
-            matches!(append(&c1, "netcut-recovery", 1, &token, true, &[]).await, Ok(r) if r.status.is_success())
+            matches!(try_append(&c1, "netcut-recovery", 1, &token, true, &[]).await, Ok(r) if r.status.is_success())
                 && dependency_up(p1.admin, "redis").await == Some(true)
         })
         .await;
@@ -409,7 +407,7 @@ async fn slow_and_failing_upstream_never_acknowledges_unconfirmed_writes() {
         let token = format!("{s}-write");
         let started = tokio::time::Instant::now();
         let (fc2, s2, t2) = (fc.clone(), s.clone(), token.clone());
-        let write = tokio::spawn(async move { append(&fc2, &s2, 1, &t2, true, &[]).await });
+        let write = tokio::spawn(async move { try_append(&fc2, &s2, 1, &t2, true, &[]).await });
         if name == "slow" {
             // Past the lease, the lock is still held: it was renewed.
             tokio::time::sleep(lease() + lease() / 2).await;
@@ -479,7 +477,7 @@ async fn client_retries_with_idempotency_key_apply_once() {
                 let headers = [("idempotency-key", token.clone())];
                 let mut outcome = Err("never sent".to_owned());
                 for _attempt in 0..30 {
-                    outcome = append(&agent, s, 1, &token, false, &headers).await;
+                    outcome = try_append(&agent, s, 1, &token, false, &headers).await;
                     match &outcome {
                         Ok(r) if r.status.is_success() || r.status.is_client_error() => break,
                         _ => tokio::time::sleep(Duration::from_millis(20)).await,
@@ -532,7 +530,7 @@ async fn batched_writes_answer_the_version_the_store_holds() {
     for i in 0..24 {
         let c = c.clone();
         tasks.push(tokio::spawn(async move {
-            append(&c, "batched", 1, &format!("batched-{i}"), true, &[]).await
+            try_append(&c, "batched", 1, &format!("batched-{i}"), true, &[]).await
         }));
     }
     let mut versions = Vec::new();

@@ -1,9 +1,5 @@
-//! Tools of the fault tests: a fault-injecting relay, concurrent writers that keep a ledger of
-//! what was acknowledged, an independent checker that reads the final documents straight
-//! from the store, and `turnlock proxy` processes to pause and kill.
-#![allow(dead_code)]
-
-pub mod relay;
+//! Tools of the fault tests: concurrent writers that keep a ledger of what they were told, and
+//! an independent checker that reads the final documents straight from the store.
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -17,42 +13,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use turnlock::client::JsonClient;
 
-use crate::common::{free_port, wait_for_port, Proc};
-
-/// A `turnlock proxy` process with its addresses.
-pub struct ProxyProc {
-    pub proc: Proc,
-    pub addr: SocketAddr,
-    pub admin: SocketAddr,
-}
-
-impl ProxyProc {
-    pub fn spawn(upstream: &str, redis: &str, extra: &[&str]) -> Self {
-        let addr = SocketAddr::from(([127, 0, 0, 1], free_port()));
-        let admin = SocketAddr::from(([127, 0, 0, 1], free_port()));
-        let (a, m) = (addr.to_string(), admin.to_string());
-        let mut args = vec![
-            "proxy",
-            "--listen",
-            &a,
-            "--admin",
-            &m,
-            "--upstream",
-            upstream,
-            "--redis",
-            redis,
-        ];
-        args.extend_from_slice(extra);
-        let proc = Proc::spawn(&args);
-        wait_for_port(addr.port(), Duration::from_secs(20));
-        wait_for_port(admin.port(), Duration::from_secs(20));
-        Self { proc, addr, admin }
-    }
-
-    pub fn client(&self) -> JsonClient {
-        JsonClient::new(format!("http://{}", self.addr))
-    }
-}
+use crate::support::try_append;
 
 /// Status of `/readyz` on an admin address (0 when it does not answer).
 pub async fn readyz(admin: SocketAddr) -> u16 {
@@ -73,32 +34,6 @@ pub async fn dependency_up(admin: SocketAddr, dependency: &str) -> Option<bool> 
     }
 }
 
-/// Appends one message (content = `token`, with `id` = `token` when `with_id`).
-pub async fn append(
-    client: &JsonClient,
-    session: &str,
-    turn: u64,
-    token: &str,
-    with_id: bool,
-    headers: &[(&str, String)],
-) -> Result<turnlock::client::Reply, String> {
-    let message = if with_id {
-        json!({"id": token, "role": "user", "content": token})
-    } else {
-        json!({"role": "user", "content": token})
-    };
-    let body = json!({"turn": turn, "messages": [message]});
-    client
-        .send(
-            http::Method::POST,
-            &format!("/v1/sessions/{session}/messages"),
-            Some(&body),
-            headers,
-        )
-        .await
-        .map_err(|e| e.to_string())
-}
-
 /// One acknowledged write.
 #[derive(Clone, Debug)]
 pub struct Ack {
@@ -106,8 +41,6 @@ pub struct Ack {
     pub token: String,
     pub write_turn: u64,
     pub version: u64,
-    /// The whole answer, for diagnostics.
-    pub reply: Value,
 }
 
 /// What the writers sent and what they were told.
@@ -128,7 +61,6 @@ impl Ledger {
             token: token.to_owned(),
             write_turn,
             version: reply["version"].as_u64().unwrap_or(0),
-            reply: reply.clone(),
         });
     }
 
@@ -149,15 +81,6 @@ impl Ledger {
 
     pub fn acked_count(&self) -> usize {
         self.acked.lock().expect("ledger").len()
-    }
-
-    pub fn acked_in(&self, session: &str) -> usize {
-        self.acked
-            .lock()
-            .expect("ledger")
-            .iter()
-            .filter(|a| a.session == session)
-            .count()
     }
 }
 
@@ -208,7 +131,7 @@ impl Writers {
                             session,
                             turn,
                             &token,
-                            append(&client, session, turn, &token, true, &[]).await,
+                            try_append(&client, session, turn, &token, true, &[]).await,
                         );
                         tokio::time::sleep(Duration::from_millis(2)).await;
                     }
@@ -371,11 +294,6 @@ pub fn report(fault: &str, counts: &Counts) {
 /// Session ids for one test.
 pub fn sessions(tag: &str, n: usize) -> Vec<String> {
     (0..n).map(|i| format!("{tag}-{i}")).collect()
-}
-
-/// Lock keys left in Redis.
-pub fn lock_keys(redis: &crate::common::RedisServer) -> Vec<String> {
-    redis.keys("turnlock:session:{*}:[0-9]*")
 }
 
 /// Polls `f` every `every` until it returns true or `timeout` passes.

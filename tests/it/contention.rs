@@ -3,17 +3,16 @@
 //! copies, compactions and deliberately stale turns. An independent checker then reads every
 //! document straight from the store.
 
-mod common;
-
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::*;
 use http::{Method, StatusCode};
 use serde_json::{json, Value};
 use tokio::sync::Mutex;
 use turnlock::client::JsonClient;
+
+use crate::support::*;
 
 const WRITERS: usize = 16;
 const SESSIONS: usize = 10;
@@ -33,24 +32,15 @@ struct Log {
     busy: usize,
 }
 
-fn spawn_proxy(redis: &RedisServer, store_port: u16) -> (Proc, u16, u16) {
-    let (port, admin) = (free_port(), free_port());
-    let url = redis.url();
-    let proc = Proc::proxy(port, admin, store_port, &["--redis", &url, "--lock-budget-ms", "200"]);
-    (proc, port, admin)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn three_proxies_lose_nothing_and_accept_no_stale_write() {
     let redis = RedisServer::start();
-    let store_port = free_port();
-    let _store = Proc::spawn(&["store", "--listen", &format!("127.0.0.1:{store_port}")]);
-    wait_for_port(store_port, Duration::from_secs(10));
-    let proxies: Vec<(Proc, u16, u16)> = (0..3).map(|_| spawn_proxy(&redis, store_port)).collect();
-    let clients: Vec<JsonClient> = proxies
-        .iter()
-        .map(|(_, p, _)| JsonClient::new(format!("http://127.0.0.1:{p}")))
+    let (_store, store_port) = Proc::store();
+    let upstream = format!("http://127.0.0.1:{store_port}");
+    let proxies: Vec<ProxyProc> = (0..3)
+        .map(|_| ProxyProc::spawn(&upstream, Some(&redis.url()), &["--lock-budget-ms", "200"]))
         .collect();
+    let clients: Vec<JsonClient> = proxies.iter().map(ProxyProc::client).collect();
 
     let log = Arc::new(Mutex::new(Log::default()));
     let mut tasks = Vec::new();
@@ -154,9 +144,8 @@ async fn three_proxies_lose_nothing_and_accept_no_stale_write() {
 
     // Every proxy shows lock activity, and no lock is left in Redis.
     let mut acquired_total = 0.0;
-    for (_, _, admin) in &proxies {
-        let admin = JsonClient::new(format!("http://127.0.0.1:{admin}"));
-        let text = admin_metrics(&admin).await;
+    for p in &proxies {
+        let text = metrics(p.admin).await;
         acquired_total += metric(&text, "turnlock_lock_acquire_total{outcome=\"acquired\"}");
         assert!(
             text.contains("turnlock_lock_wait_seconds_bucket"),
@@ -165,24 +154,7 @@ async fn three_proxies_lose_nothing_and_accept_no_stale_write() {
     }
     assert!(acquired_total > 0.0, "no lock acquisition in /metrics");
     tokio::time::sleep(Duration::from_millis(100)).await;
-    assert!(
-        redis.keys("turnlock:session:{*}:[0-9]*").is_empty(),
-        "lock keys left in Redis"
-    );
-}
-
-async fn admin_metrics(admin: &JsonClient) -> String {
-    let reply = admin
-        .send(Method::GET, "/metrics", None, &[])
-        .await
-        .expect("GET /metrics");
-    String::from_utf8_lossy(&reply.body).into_owned()
-}
-
-fn metric(text: &str, name: &str) -> f64 {
-    text.lines()
-        .find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse().ok()))
-        .unwrap_or(0.0)
+    assert!(redis.lock_keys().is_empty(), "lock keys left in Redis");
 }
 
 /// One step of one writer: an append, a merged PUT from the copy it read, a compaction, or a

@@ -4,18 +4,16 @@
 //! losing the second one's update. Also: `--redis-wait-replicas` refuses to write under a
 //! grant no replica acknowledged, and what that option costs.
 
-mod common;
-mod faultkit;
-
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
-use common::*;
-use faultkit::relay::{Link, OnPut, Relay};
-use faultkit::*;
 use turnlock::config::ProxyArgs;
+
+use crate::support::ledger::*;
+use crate::support::relay::{Link, OnPut, Relay};
+use crate::support::*;
 
 const LEASE_MS: u64 = 1000;
 const PRIMARY_NAME: &str = "turnlock-primary";
@@ -103,13 +101,6 @@ fn args(upstream: &str, redis: &str) -> ProxyArgs {
     a
 }
 
-fn info_field(server: &RedisServer, field: &str) -> String {
-    let info: String = redis::from_redis_value(server.cmd(&["INFO", "replication"])).expect("INFO");
-    info.lines()
-        .find_map(|l| l.strip_prefix(&format!("{field}:")).map(|v| v.trim().to_owned()))
-        .unwrap_or_default()
-}
-
 /// Median write latency of two proxies, measured alternately (`n` writes each) so that
 /// background load weighs on both alike.
 async fn median_writes(
@@ -121,7 +112,7 @@ async fn median_writes(
     for i in 0..n {
         for (k, c) in [a, b].into_iter().enumerate() {
             let started = tokio::time::Instant::now();
-            let r = append(c, &format!("failover-cost-{k}"), 1, &format!("cost-{k}-{i}"), true, &[])
+            let r = try_append(c, &format!("failover-cost-{k}"), 1, &format!("cost-{k}-{i}"), true, &[])
                 .await
                 .expect("write");
             assert!(r.status.is_success(), "{} {}", r.status, r.json);
@@ -143,7 +134,7 @@ async fn sentinel_failover_with_unreplicated_grant_loses_no_update() {
     let replica = RedisServer::start_with(&["--replicaof", "127.0.0.1", &repl_port]);
     assert!(
         eventually(Duration::from_secs(15), Duration::from_millis(50), || async {
-            info_field(&replica, "master_link_status") == "up"
+            replica.info("replication", "master_link_status") == "up"
         })
         .await
         .is_some(),
@@ -181,7 +172,9 @@ async fn sentinel_failover_with_unreplicated_grant_loses_no_update() {
     let others: Vec<String> = all[1..].to_vec();
     let main = Ledger::default();
     let hint = AtomicU64::new(0);
-    let seed = append(&bc, &target, 1, "failover-seed", true, &[]).await.expect("seed");
+    let seed = try_append(&bc, &target, 1, "failover-seed", true, &[])
+        .await
+        .expect("seed");
     assert!(seed.status.is_success());
     record(&main, &hint, &target, 1, "failover-seed", Ok(seed));
     let writers = Writers::start(
@@ -195,7 +188,7 @@ async fn sentinel_failover_with_unreplicated_grant_loses_no_update() {
 
     // Replication stalls: grants from now on exist on the primary only.
     repl_link.set_link(Link::Blackhole);
-    let refused = append(&wc, &target, 1, "failover-unacked-grant", true, &[])
+    let refused = try_append(&wc, &target, 1, "failover-unacked-grant", true, &[])
         .await
         .expect("answer");
     assert_eq!(
@@ -210,7 +203,7 @@ async fn sentinel_failover_with_unreplicated_grant_loses_no_update() {
     store_relay.on_put(OnPut::Hold);
     let t = target.clone();
     let ac2 = ac.clone();
-    let first = tokio::spawn(async move { append(&ac2, &t, 1, "failover-first", true, &[]).await });
+    let first = tokio::spawn(async move { try_append(&ac2, &t, 1, "failover-first", true, &[]).await });
     assert!(
         store_relay.wait_held(1, Duration::from_secs(10)).await,
         "A never wrote back"
@@ -222,7 +215,7 @@ async fn sentinel_failover_with_unreplicated_grant_loses_no_update() {
     primary.kill();
     repl_link.set_link(Link::Refuse);
     let promoted = eventually(Duration::from_secs(30), Duration::from_millis(100), || async {
-        sentinel.primary_port() == Some(replica.port) && info_field(&replica, "role") == "master"
+        sentinel.primary_port() == Some(replica.port) && replica.info("replication", "role") == "master"
     })
     .await;
     assert!(promoted.is_some(), "the replica was never promoted");
@@ -237,7 +230,7 @@ async fn sentinel_failover_with_unreplicated_grant_loses_no_update() {
 
     // B follows the new primary and is granted the same lock: two writers believe they hold it.
     let second = eventually(Duration::from_secs(20), Duration::from_millis(50), || async {
-        let r = append(&bc, &target, 1, "failover-second", true, &[]).await;
+        let r = try_append(&bc, &target, 1, "failover-second", true, &[]).await;
         let ok = matches!(&r, Ok(r) if r.status.is_success());
         if ok {
             record(&main, &hint, &target, 1, "failover-second", r);
@@ -301,10 +294,10 @@ async fn sentinel_with_auth_reaches_the_protected_primary_and_its_database() {
         "redis+sentinel://:primary-pw@127.0.0.1:{}/{PRIMARY_NAME}/2?sentinel_password=sentinel-pw",
         sentinel.port
     );
-    let proxy = ProxyProc::spawn(&format!("http://{}", store.addr), &url, &[]);
+    let proxy = ProxyProc::spawn(&format!("http://{}", store.addr), Some(&url), &[]);
     let client = proxy.client();
     let written = eventually(Duration::from_secs(10), Duration::from_millis(100), || async {
-        matches!(append(&client, "auth-1", 1, "m1", true, &[]).await, Ok(r) if r.status.is_success())
+        matches!(try_append(&client, "auth-1", 1, "m1", true, &[]).await, Ok(r) if r.status.is_success())
     })
     .await;
     assert!(written.is_some(), "no write went through Sentinel with AUTH");
@@ -317,7 +310,7 @@ async fn sentinel_with_auth_reaches_the_protected_primary_and_its_database() {
         "redis+sentinel://:wrong-pw@127.0.0.1:{}/{PRIMARY_NAME}?sentinel_password=sentinel-pw",
         sentinel.port
     );
-    let refused = ProxyProc::spawn(&format!("http://{}", store.addr), &wrong, &[]);
+    let refused = ProxyProc::spawn(&format!("http://{}", store.addr), Some(&wrong), &[]);
     let said = eventually(Duration::from_secs(10), Duration::from_millis(100), || async {
         let c = turnlock::client::JsonClient::new(format!("http://{}", refused.admin));
         match c.send(http::Method::GET, "/status", None, &[]).await {

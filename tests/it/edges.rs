@@ -3,99 +3,22 @@
 //! objects merged key by key, size limits, snapshot size, compaction, the idempotency
 //! fingerprint and preconditions.
 
-mod common;
-
-use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::*;
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use serde_json::{json, Value};
-use tokio::net::TcpListener;
 use turnlock::client::{JsonClient, Reply};
 
-async fn send(c: &JsonClient, method: Method, path: &str, body: Value, headers: &[(&str, String)]) -> Reply {
-    c.send(method, path, Some(&body), headers).await.expect("request")
-}
+use crate::support::*;
 
 fn key(k: &str) -> (&'static str, String) {
     ("idempotency-key", k.to_string())
-}
-
-/// A store in front of the reference store whose first PUT is applied, but answered only after
-/// `delay`: the write lands even when the proxy has stopped waiting for it.
-async fn late_answering_store(target: SocketAddr, delay: Duration) -> SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    let late = Arc::new(AtomicUsize::new(1));
-    tokio::spawn(async move {
-        let direct = JsonClient::new(format!("http://{target}"));
-        loop {
-            let Ok((stream, _)) = listener.accept().await else {
-                return;
-            };
-            let (direct, late) = (direct.clone(), late.clone());
-            tokio::spawn(async move {
-                let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
-                    let (direct, late) = (direct.clone(), late.clone());
-                    async move {
-                        let method = req.method().clone();
-                        let path = req.uri().path().to_owned();
-                        let headers: Vec<(String, String)> = ["if-match", "if-none-match", "x-fencing-token"]
-                            .iter()
-                            .filter_map(|h| Some((h.to_string(), req.headers().get(*h)?.to_str().ok()?.to_owned())))
-                            .collect();
-                        let body = req
-                            .into_body()
-                            .collect()
-                            .await
-                            .map(|c| c.to_bytes())
-                            .unwrap_or_default();
-                        let is_put = method == Method::PUT;
-                        // Applied on a task of its own: whether the client waits or not.
-                        let applied = tokio::spawn(async move {
-                            let json: Option<Value> = serde_json::from_slice(&body).ok();
-                            let hdrs: Vec<(&str, String)> =
-                                headers.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
-                            direct.send(method, &path, json.as_ref(), &hdrs).await
-                        })
-                        .await;
-                        if is_put
-                            && late
-                                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
-                                .is_ok()
-                        {
-                            tokio::time::sleep(delay).await;
-                        }
-                        let res = match applied {
-                            Ok(Ok(r)) => {
-                                let mut b = Response::builder().status(r.status);
-                                if let Some(e) = r.headers.get("etag") {
-                                    b = b.header("etag", e);
-                                }
-                                b.body(Full::new(r.body)).expect("response")
-                            }
-                            _ => Response::builder()
-                                .status(502)
-                                .body(Full::new(Bytes::new()))
-                                .expect("response"),
-                        };
-                        Ok::<_, Infallible>(res)
-                    }
-                });
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
-                    .await;
-            });
-        }
-    });
-    addr
 }
 
 /// One scripted answer: status, headers, body.
@@ -109,50 +32,36 @@ async fn scripted_store(script: Vec<Scripted>) -> (SocketAddr, Arc<AtomicUsize>)
 
 /// [`scripted_store`] whose first answer comes after `first_delay`.
 async fn scripted_store_slow_first(script: Vec<Scripted>, first_delay: Duration) -> (SocketAddr, Arc<AtomicUsize>) {
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let addr = listener.local_addr().expect("addr");
     let applied = Arc::new(AtomicUsize::new(0));
     let seen = Arc::new(AtomicUsize::new(0));
     let script = Arc::new(script);
     let counter = applied.clone();
-    tokio::spawn(async move {
-        loop {
-            let Ok((stream, _)) = listener.accept().await else {
-                return;
-            };
-            let (script, seen, applied) = (script.clone(), seen.clone(), counter.clone());
-            tokio::spawn(async move {
-                let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
-                    let (script, seen, applied) = (script.clone(), seen.clone(), applied.clone());
-                    async move {
-                        // The proxy's background health check reads `/`: not part of the script.
-                        if req.method() == Method::GET && req.uri().path() == "/" {
-                            return Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())));
-                        }
-                        let _ = req.into_body().collect().await;
-                        let seen_before = seen.fetch_add(1, Ordering::SeqCst);
-                        let n = seen_before.min(script.len() - 1);
-                        let (status, headers, body) = &script[n];
-                        // Applied at once; answered (the first time) later.
-                        if (200..300).contains(status) {
-                            applied.fetch_add(1, Ordering::SeqCst);
-                        }
-                        if seen_before == 0 {
-                            tokio::time::sleep(first_delay).await;
-                        }
-                        let mut b = Response::builder().status(*status);
-                        for (k, v) in headers {
-                            b = b.header(*k, *v);
-                        }
-                        Ok::<_, Infallible>(b.body(Full::new(Bytes::from(body.clone()))).expect("response"))
-                    }
-                });
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
-                    .await;
-            });
+    let addr = serve(move |req: Request<Incoming>| {
+        let (script, seen, applied) = (script.clone(), seen.clone(), counter.clone());
+        async move {
+            // The proxy's background health check reads `/`: not part of the script.
+            if req.method() == Method::GET && req.uri().path() == "/" {
+                return Response::new(Full::new(Bytes::new()));
+            }
+            let _ = req.into_body().collect().await;
+            let seen_before = seen.fetch_add(1, Ordering::SeqCst);
+            let n = seen_before.min(script.len() - 1);
+            let (status, headers, body) = &script[n];
+            // Applied at once; answered (the first time) later.
+            if (200..300).contains(status) {
+                applied.fetch_add(1, Ordering::SeqCst);
+            }
+            if seen_before == 0 {
+                tokio::time::sleep(first_delay).await;
+            }
+            let mut b = Response::builder().status(*status);
+            for (k, v) in headers {
+                b = b.header(*k, *v);
+            }
+            b.body(Full::new(Bytes::from(body.clone()))).expect("response")
         }
-    });
+    })
+    .await;
     (addr, applied)
 }
 
@@ -180,7 +89,7 @@ async fn put_doc(c: &JsonClient, session: &str, doc: &Value, headers: &[(&str, S
 async fn a_retry_after_an_unknown_outcome_is_not_applied_twice() {
     let redis = RedisServer::start();
     let store = store().await;
-    let late = late_answering_store(store.addr, Duration::from_millis(1500)).await;
+    let late = front_store(store.addr, PutDelay::FirstAnswer(Duration::from_millis(1500))).await;
     let mut args = proxy_args(late, Some(&redis));
     args.upstream_timeout_ms = 500;
     let proxy = proxy(args).await;
@@ -218,7 +127,7 @@ async fn a_compaction_retried_after_an_unknown_outcome_is_answered_not_refused()
     )
     .await;
     assert!(seeded.status.is_success());
-    let late = late_answering_store(store.addr, Duration::from_millis(1500)).await;
+    let late = front_store(store.addr, PutDelay::FirstAnswer(Duration::from_millis(1500))).await;
     let mut args = proxy_args(late, Some(&redis));
     args.upstream_timeout_ms = 500;
     let proxy = proxy(args).await;
@@ -254,7 +163,7 @@ async fn a_merged_put_retried_after_an_unknown_outcome_is_not_applied_twice() {
     .await;
     assert_eq!(r.status, StatusCode::CREATED);
     plain.stop().await;
-    let late = late_answering_store(store.addr, Duration::from_millis(1500)).await;
+    let late = front_store(store.addr, PutDelay::FirstAnswer(Duration::from_millis(1500))).await;
     let mut args = proxy_args(late, Some(&redis));
     args.upstream_timeout_ms = 500;
     let proxy = proxy(args).await;
@@ -285,7 +194,7 @@ async fn a_slow_write_retried_on_another_proxy_while_it_runs_is_stored_once() {
     let store = store().await;
     let direct = client(store.addr);
     // The first write-back takes 15 s at the store, within a store timeout of 20 s.
-    let late = late_answering_store(store.addr, Duration::from_millis(15_000)).await;
+    let late = front_store(store.addr, PutDelay::FirstAnswer(Duration::from_millis(15_000))).await;
     let mut args = proxy_args(late, Some(&redis));
     args.upstream_timeout_ms = 20_000;
     args.lock_budget_ms = 800;
@@ -331,7 +240,7 @@ async fn an_idempotency_claim_lives_as_long_as_its_write_can_run() {
     let redis = RedisServer::start();
     let store = store().await;
     // Every PUT is answered after 1 s; each store request may take up to 10 s.
-    let late = late_answering_store(store.addr, Duration::from_millis(1000)).await;
+    let late = front_store(store.addr, PutDelay::FirstAnswer(Duration::from_millis(1000))).await;
     let mut args = proxy_args(late, Some(&redis));
     args.upstream_timeout_ms = 10_000;
     let proxy = proxy(args).await;
@@ -368,7 +277,7 @@ async fn an_idempotency_claim_lives_as_long_as_its_write_can_run() {
 async fn a_record_replaces_only_its_own_claim() {
     let redis = RedisServer::start();
     let store = store().await;
-    let late = late_answering_store(store.addr, Duration::from_millis(800)).await;
+    let late = front_store(store.addr, PutDelay::FirstAnswer(Duration::from_millis(800))).await;
     let proxy = proxy(proxy_args(late, Some(&redis))).await;
     let agent = client(proxy.addr);
     let write = tokio::spawn(async move {
@@ -851,18 +760,6 @@ async fn a_store_refusing_a_document_as_too_large_is_a_413_not_a_502() {
     s.stop().await;
 }
 
-fn used_memory(redis: &RedisServer) -> u64 {
-    let info = match redis.cmd(&["INFO", "memory"]) {
-        redis::Value::BulkString(b) => String::from_utf8_lossy(&b).into_owned(),
-        redis::Value::VerbatimString { text, .. } => text,
-        other => panic!("INFO: {other:?}"),
-    };
-    info.lines()
-        .find_map(|l| l.strip_prefix("used_memory:"))
-        .and_then(|v| v.trim().parse().ok())
-        .expect("used_memory")
-}
-
 #[tokio::test]
 async fn version_snapshots_stay_small_whatever_the_size_of_state() {
     let redis = RedisServer::start();
@@ -878,7 +775,7 @@ async fn version_snapshots_stay_small_whatever_the_size_of_state() {
     )
     .await;
     assert!(r.status.is_success(), "{}", r.json);
-    let before = used_memory(&redis);
+    let before = redis.info("memory", "used_memory").parse::<u64>().expect("used_memory");
     let writes = 100u64;
     for i in 0..writes {
         let r = send(
@@ -891,7 +788,7 @@ async fn version_snapshots_stay_small_whatever_the_size_of_state() {
         .await;
         assert_eq!(r.status, StatusCode::OK);
     }
-    let after = used_memory(&redis);
+    let after = redis.info("memory", "used_memory").parse::<u64>().expect("used_memory");
     let per_write = after.saturating_sub(before) / writes;
     println!("redis bytes per write with a 500 KB state: {per_write} ({before} -> {after})");
     assert!(per_write < 4_096, "each write keeps {per_write} bytes in Redis");

@@ -1,11 +1,9 @@
 //! The binary as a user meets it: the demo's claim, configuration errors, the health check.
 
-mod common;
-
 use std::process::Command;
 use std::time::Duration;
 
-use common::*;
+use crate::support::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn demo_loses_updates_straight_to_the_store_and_none_through_turnlock() {
@@ -60,13 +58,10 @@ fn health_subcommand_reports_readiness() {
         .output()
         .expect("health");
     assert!(!down.status.success(), "healthy with nothing running");
-    let store_port = free_port();
-    let _store = Proc::spawn(&["store", "--listen", &format!("127.0.0.1:{store_port}")]);
-    wait_for_port(store_port, Duration::from_secs(10));
-    let _proxy = Proc::proxy(free_port(), admin, store_port, &[]);
-    wait_for_port(admin, Duration::from_secs(10));
+    let (_store, store_port) = Proc::store();
+    let proxy = ProxyProc::spawn(&format!("http://127.0.0.1:{store_port}"), None, &[]);
     let up = Command::new(turnlock_bin())
-        .args(["health", "--admin", &format!("127.0.0.1:{admin}")])
+        .args(["health", "--admin", &proxy.admin.to_string()])
         .output()
         .expect("health");
     assert!(up.status.success(), "{}", String::from_utf8_lossy(&up.stderr));

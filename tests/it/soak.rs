@@ -4,13 +4,10 @@
 //!
 //! `TURNLOCK_SOAK_SECS` sets the length (default 120 s).
 
-mod common;
-mod faultkit;
-
 use std::time::Duration;
 
-use common::*;
-use faultkit::*;
+use crate::support::ledger::*;
+use crate::support::*;
 
 fn proc_status(pid: i32, field: &str) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("read /proc status");
@@ -52,7 +49,7 @@ async fn soak_keeps_memory_and_descriptors_flat_and_leaves_no_locks() {
     let store = store().await;
     let p = ProxyProc::spawn(
         &format!("http://{}", store.addr),
-        &redis.url(),
+        Some(&redis.url()),
         &[
             "--lock-budget-ms",
             "200",
@@ -134,11 +131,11 @@ async fn soak_keeps_memory_and_descriptors_flat_and_leaves_no_locks() {
     );
     assert!(
         eventually(Duration::from_secs(5), Duration::from_millis(50), || async {
-            lock_keys(&redis).is_empty()
+            redis.lock_keys().is_empty()
         })
         .await
         .is_some(),
         "lock keys left in Redis: {:?}",
-        lock_keys(&redis)
+        redis.lock_keys()
     );
 }

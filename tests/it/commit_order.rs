@@ -4,37 +4,21 @@
 //! turnlock's own header is never the client's, and fencing tokens keep growing when Redis
 //! loses its counter.
 
-mod common;
-mod faultkit;
-
 use std::collections::HashMap;
-use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::*;
-use faultkit::relay::{OnPut, Relay};
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use serde_json::{json, Value};
-use tokio::net::TcpListener;
 use turnlock::client::{JsonClient, Reply};
 
-async fn append(c: &JsonClient, session: &str, turn: u64, id: &str) -> Reply {
-    let body = json!({"turn": turn, "messages": [{"id": id, "role": "user", "content": id}]});
-    c.send(
-        Method::POST,
-        &format!("/v1/sessions/{session}/messages"),
-        Some(&body),
-        &[],
-    )
-    .await
-    .expect("append")
-}
+use crate::support::relay::{OnPut, Relay};
+use crate::support::*;
 
 /// Appends until acknowledged; retryable answers (503) are counted in `retried`. Any other
 /// refusal is returned as is.
@@ -62,7 +46,7 @@ async fn a_slow_write_back_without_etags_is_never_overtaken_by_the_next_turn() {
     let proxy_a = proxy(proxy_args(relay.addr, Some(&redis))).await;
     let proxy_b = proxy(proxy_args(store.addr, Some(&redis))).await;
     let (a, b) = (client(proxy_a.addr), client(proxy_b.addr));
-    let sessions = faultkit::sessions("slow", SESSIONS);
+    let sessions = crate::support::ledger::sessions("slow", SESSIONS);
     for s in &sessions {
         assert_eq!(append(&b, s, 5, &format!("{s}-seed")).await.status, StatusCode::CREATED);
     }
@@ -596,27 +580,13 @@ struct EventState {
 
 impl EventStore {
     async fn start(delay: Duration) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let addr = listener.local_addr().expect("addr");
         let state = Arc::new(EventState::default());
         let st = state.clone();
-        tokio::spawn(async move {
-            loop {
-                let Ok((stream, _)) = listener.accept().await else {
-                    return;
-                };
-                let st = st.clone();
-                tokio::spawn(async move {
-                    let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
-                        let st = st.clone();
-                        async move { Ok::<_, Infallible>(st.serve(req, delay).await) }
-                    });
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
-                        .await;
-                });
-            }
-        });
+        let addr = serve(move |req: Request<Incoming>| {
+            let st = st.clone();
+            async move { st.serve(req, delay).await }
+        })
+        .await;
         Self { addr, state }
     }
 

@@ -2,8 +2,6 @@
 //! merge rules: arbitrary input never panics, and what is accepted obeys the rules.
 //! `PROPTEST_CASES` raises the number of cases for a longer run.
 
-mod common;
-
 use std::collections::HashSet;
 use std::sync::OnceLock;
 
@@ -257,11 +255,11 @@ fn edge() -> &'static (std::net::SocketAddr, turnlock::client::JsonClient) {
     static EDGE: OnceLock<(std::net::SocketAddr, turnlock::client::JsonClient)> = OnceLock::new();
     EDGE.get_or_init(|| {
         runtime().block_on(async {
-            let store = common::store().await;
+            let store = crate::support::store().await;
             let addr = store.addr;
             std::mem::forget(store);
-            let p = common::proxy(common::proxy_args(addr, None)).await;
-            let c = common::client(p.addr);
+            let p = crate::support::proxy(crate::support::proxy_args(addr, None)).await;
+            let c = crate::support::client(p.addr);
             let a = p.addr;
             std::mem::forget(p);
             (a, c)

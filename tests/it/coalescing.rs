@@ -4,14 +4,15 @@
 //! To make the batch deterministic, each test holds the session's lock in Redis itself for a
 //! moment, so every write queues behind it and the proxy's leader takes them all at once.
 
-mod common;
-
 use std::time::Duration;
 
-use common::{client, get_doc, message_ids, proxy, proxy_args, store, store_without_etags, RedisServer};
 use http::Method;
 use serde_json::{json, Value};
 use turnlock::client::{JsonClient, Reply};
+
+use crate::support::{
+    append, client, get_doc, message_ids, metric, metrics, proxy, proxy_args, store, store_without_etags, RedisServer,
+};
 
 /// Writes queued behind the held lock.
 const QUEUED: usize = 12;
@@ -24,36 +25,14 @@ fn hold_lock(redis: &RedisServer, session: &str, turn: u64) {
     assert_eq!(reply, redis::Value::Okay, "the test could not take the lock first");
 }
 
-async fn append(c: &JsonClient, session: &str, turn: u64, id: &str) -> Reply {
-    c.send(
-        Method::POST,
-        &format!("/v1/sessions/{session}/messages"),
-        Some(&json!({"turn": turn, "messages": [{"id": id, "role": "tool", "content": id}]})),
-        &[],
-    )
-    .await
-    .expect("append")
-}
-
 /// How many read-merge-writes the proxy has made (its batch-size histogram's count).
 async fn batch_count(admin: std::net::SocketAddr) -> f64 {
-    metrics_text(admin)
-        .await
-        .lines()
-        .find_map(|l| l.strip_prefix("turnlock_write_batch_size_count "))
-        .and_then(|v| v.trim().parse().ok())
-        .expect("batch size metric")
-}
-
-async fn metrics_text(admin: std::net::SocketAddr) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(admin).await.expect("admin");
-    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        .await
-        .expect("write");
-    let mut out = String::new();
-    s.read_to_string(&mut out).await.expect("read");
-    out
+    let text = metrics(admin).await;
+    assert!(
+        text.contains("turnlock_write_batch_size_count"),
+        "no batch size metric in /metrics"
+    );
+    metric(&text, "turnlock_write_batch_size_count ")
 }
 
 /// Fires `QUEUED` appends at once while the lock is held; returns their replies.
@@ -162,6 +141,7 @@ async fn a_put_based_on_the_stored_version_merges_after_an_append_in_the_same_ba
     let mut copy = get_doc(&c, "s3").await.json;
     copy["state"] = json!({"plan": "book the train"});
 
+    let batches_before = batch_count(proxy.admin).await;
     hold_lock(&redis, "s3", 1);
     let appending = {
         let c = c.clone();
@@ -175,6 +155,11 @@ async fn a_put_based_on_the_stored_version_merges_after_an_append_in_the_same_ba
     let appended = appending.await.expect("task");
     assert!(appended.status.is_success(), "{:?}", appended.json);
     assert!(put.status.is_success(), "{:?}", put.json);
+    assert_eq!(
+        batch_count(proxy.admin).await - batches_before,
+        1.0,
+        "the append and the PUT were to be committed in one read-merge-write"
+    );
 
     let doc = get_doc(&c, "s3").await.json;
     assert_eq!(doc["state"]["plan"], "book the train");

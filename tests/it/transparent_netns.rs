@@ -9,8 +9,6 @@
 //! Needs root, `ip` (iproute2), `iptables` / `iptables-restore`, `setpriv` (util-linux), `curl`,
 //! `python3` (a store that echoes the headers it gets), `redis-server` and `redis-cli`. A missing one fails the test; it is never skipped.
 
-mod common;
-
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
@@ -177,8 +175,8 @@ fn agent_store_traffic_is_intercepted_without_the_agent_knowing() {
     require("setpriv", &["--version"]);
     require("curl", &["--version"]);
     require("redis-cli", &["--version"]);
-    let redis = common::redis_server_bin();
-    let bin = common::turnlock_bin();
+    let redis = crate::support::redis_server_bin();
+    let bin = crate::support::turnlock_bin();
     let bin = bin.to_str().expect("utf-8 path");
 
     let mut lab = Lab::create("a");
@@ -304,7 +302,7 @@ fn agent_store_traffic_is_intercepted_without_the_agent_knowing() {
     let (status, body) = lab.curl(&[&format!("{store_url}/v1/sessions/s-1")]);
     assert_eq!(status, 200, "{body}");
     let stored: Value = serde_json::from_str(&body).expect("document");
-    assert_eq!(common::message_ids(&stored), ["m-1", "m-2"]);
+    assert_eq!(crate::support::message_ids(&stored), ["m-1", "m-2"]);
     assert_eq!(stored["turn"], 2);
 
     // The sidecar counted the writes, and its lock state is in the pod's Redis.
@@ -383,8 +381,8 @@ fn many_destinations_the_host_header_and_non_http_traffic_are_served_and_a_loop_
     require("curl", &["--version"]);
     require("redis-cli", &["--version"]);
     require("python3", &["--version"]);
-    let redis = common::redis_server_bin();
-    let bin = common::turnlock_bin();
+    let redis = crate::support::redis_server_bin();
+    let bin = crate::support::turnlock_bin();
     let bin = bin.to_str().expect("utf-8 path");
 
     let mut lab = Lab::create("b");

@@ -2,17 +2,14 @@
 //! (a JSON error wherever turnlock, not the HTTP parser, answers), no lock is left behind,
 //! and other sessions are not affected.
 
-mod common;
-mod faultkit;
-
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use common::*;
-use faultkit::{append, lock_keys};
 use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
+
+use crate::support::*;
 
 const MAX_BODY: usize = 4096;
 
@@ -79,7 +76,7 @@ async fn hostile_requests_get_clear_4xx_and_leave_nothing_behind() {
     args.max_body_bytes = MAX_BODY;
     let p = proxy(args).await;
     let c = client(p.addr);
-    let canary = append(&c, "canary", 3, "canary-1", true, &[]).await.expect("canary");
+    let canary = append(&c, "canary", 3, "canary-1").await;
     assert!(canary.status.is_success());
     let canary_before = get_doc(&client(store.addr), "canary").await.json;
 
@@ -412,13 +409,13 @@ async fn hostile_requests_get_clear_4xx_and_leave_nothing_behind() {
     // Nothing was written for the refused requests, and no lock is left.
     assert_eq!(get_doc(&client(store.addr), "hostile").await.status, 404);
     assert!(
-        lock_keys(&redis).is_empty(),
+        redis.lock_keys().is_empty(),
         "locks left behind: {:?}",
-        lock_keys(&redis)
+        redis.lock_keys()
     );
     // Other sessions were not affected and are still served.
     assert_eq!(get_doc(&client(store.addr), "canary").await.json, canary_before);
-    let after = append(&c, "canary", 3, "canary-2", true, &[]).await.expect("canary");
+    let after = append(&c, "canary", 3, "canary-2").await;
     assert!(after.status.is_success(), "{}", after.json);
     p.stop().await;
 }
@@ -455,7 +452,7 @@ async fn slow_clients_are_cut_off_without_blocking_others() {
         slow = alive;
         i += 1;
         if i % 10 == 0 {
-            let r = append(&client(p.addr), "fast", 1, &format!("fast-{i}"), true, &[])
+            let r = try_append(&client(p.addr), "fast", 1, &format!("fast-{i}"), true, &[])
                 .await
                 .expect("others are served while slow clients trickle");
             assert!(r.status.is_success());
@@ -512,7 +509,7 @@ async fn a_body_that_never_arrives_is_refused_with_408() {
     let head = b"POST /v1/sessions/trickle/messages HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"turn\": 1,";
     s.write_all(head).await.expect("write head");
     // Meanwhile the same session is writable: a stalled body holds no lock.
-    let r = append(&client(p.addr), "trickle", 1, "other", true, &[])
+    let r = try_append(&client(p.addr), "trickle", 1, "other", true, &[])
         .await
         .expect("append");
     assert!(r.status.is_success(), "{}", r.json);

@@ -1,0 +1,27 @@
+//! turnlock's integration tests, in one binary: real `redis-server` processes, real sockets,
+//! in-process proxies and stores, and `turnlock` processes. One module per area; the harness
+//! they share is in `support`.
+//!
+//! Run one area with `cargo test --test it <module>::`, e.g. `cargo test --test it faults::`.
+//! `transparent_netns` needs root (it fails, never skips, without it); `soak` runs for
+//! `TURNLOCK_SOAK_SECS` (default 120 s).
+
+mod support;
+
+mod api;
+mod cli;
+mod coalescing;
+mod commit_order;
+mod contention;
+mod edges;
+mod faults;
+mod faults_failover;
+mod fuzz_props;
+mod hostile_input;
+mod inject_webhook;
+mod operability;
+mod passthrough;
+mod release_records;
+mod route_matching;
+mod soak;
+mod transparent_netns;

@@ -1,0 +1,107 @@
+//! Stand-in upstreams on loopback: a bare HTTP/1 server around a handler, and a store in front
+//! of the reference store that holds PUTs back.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Method, Request, Response};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use serde_json::Value;
+use tokio::net::TcpListener;
+use turnlock::client::JsonClient;
+
+/// An HTTP/1 server on a free loopback port that answers every request with `handle`; it runs
+/// as long as the test's runtime.
+pub async fn serve<F, Fut>(handle: F) -> SocketAddr
+where
+    F: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = Response<Full<Bytes>>> + Send + 'static,
+{
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let handle = handle.clone();
+            let svc = hyper::service::service_fn(move |req| {
+                let answer = handle(req);
+                async move { Ok::<_, Infallible>(answer.await) }
+            });
+            tokio::spawn(async move {
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
+                    .await;
+            });
+        }
+    });
+    addr
+}
+
+/// How a [`front_store`] holds PUTs back.
+#[derive(Clone, Copy, Debug)]
+pub enum PutDelay {
+    /// Every PUT reaches the store only after this delay: a slow store.
+    Every(Duration),
+    /// The first PUT is applied at once but answered only after this delay: the write lands
+    /// even when the proxy has stopped waiting for it.
+    FirstAnswer(Duration),
+}
+
+/// A store in front of the reference store at `target` that forwards every request (with its
+/// preconditions and fencing token) and holds PUTs back as `delay` says.
+pub async fn front_store(target: SocketAddr, delay: PutDelay) -> SocketAddr {
+    let direct = JsonClient::new(format!("http://{target}"));
+    let first_put = Arc::new(AtomicBool::new(true));
+    serve(move |req: Request<Incoming>| {
+        let (direct, first_put) = (direct.clone(), first_put.clone());
+        async move {
+            let method = req.method().clone();
+            let path = req.uri().path().to_owned();
+            let headers: Vec<(String, String)> = ["if-match", "if-none-match", "x-fencing-token"]
+                .iter()
+                .filter_map(|h| Some((h.to_string(), req.headers().get(*h)?.to_str().ok()?.to_owned())))
+                .collect();
+            let body = req
+                .into_body()
+                .collect()
+                .await
+                .map(|c| c.to_bytes())
+                .unwrap_or_default();
+            let is_put = method == Method::PUT;
+            if let (true, PutDelay::Every(d)) = (is_put, delay) {
+                tokio::time::sleep(d).await;
+            }
+            // Applied on a task of its own: whether the client still waits or not.
+            let applied = tokio::spawn(async move {
+                let json: Option<Value> = serde_json::from_slice(&body).ok();
+                let hdrs: Vec<(&str, String)> = headers.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+                direct.send(method, &path, json.as_ref(), &hdrs).await
+            })
+            .await;
+            if let (true, PutDelay::FirstAnswer(d)) = (is_put, delay) {
+                if first_put.swap(false, Ordering::SeqCst) {
+                    tokio::time::sleep(d).await;
+                }
+            }
+            match applied {
+                Ok(Ok(r)) => {
+                    let mut b = Response::builder().status(r.status);
+                    if let Some(e) = r.headers.get("etag") {
+                        b = b.header("etag", e);
+                    }
+                    b.body(Full::new(r.body)).expect("response")
+                }
+                _ => Response::builder()
+                    .status(502)
+                    .body(Full::new(Bytes::new()))
+                    .expect("response"),
+            }
+        }
+    })
+    .await
+}
