@@ -128,6 +128,10 @@ impl Template {
                 return Err(format!(
                     "path {raw:?}: unknown placeholder in {part:?} (the only placeholder is {{session}}, a whole segment)"
                 ));
+            } else if ["%2F", "%5C", ";"].iter().any(|c| seg.to_ascii_uppercase().contains(c)) {
+                return Err(format!(
+                    "path {raw:?}: {part:?} holds an encoded '/' or '\\' or a ';', which stores read as a separator or a parameter"
+                ));
             } else if seg.is_empty() || seg == "." || seg == ".." {
                 return Err(format!(
                     "path {raw:?} holds an empty or dot segment, which stores normalize away"
@@ -147,13 +151,23 @@ impl Template {
 
     /// The session segment, when these normalized segments are this template's.
     fn matches(&self, parts: &[String]) -> Option<String> {
+        self.matches_with(parts, |lit, part| lit == part)
+    }
+
+    /// Like [`Template::matches`], with literal segments compared regardless of ASCII case,
+    /// as case-insensitive routers (Express, ASP.NET Core, …) compare them.
+    fn matches_ignoring_case(&self, parts: &[String]) -> Option<String> {
+        self.matches_with(parts, |lit, part| lit.eq_ignore_ascii_case(part))
+    }
+
+    fn matches_with(&self, parts: &[String], same: impl Fn(&str, &str) -> bool) -> Option<String> {
         if parts.len() != self.segments.len() {
             return None;
         }
         let mut session = None;
         for (seg, part) in self.segments.iter().zip(parts) {
             match seg {
-                Segment::Literal(lit) if lit == part => {}
+                Segment::Literal(lit) if same(lit, part) => {}
                 Segment::Literal(_) => return None,
                 Segment::Session => session = Some(part.clone()),
             }
@@ -383,6 +397,23 @@ impl Routes {
                 (Some(_), Some(_)) => return Err(AmbiguousPath { path: path.to_owned() }),
             }
         }
+        if found.is_none() {
+            // A store whose router ignores case reads `/API/threads/…` as the route: a write.
+            for reading in normalize::readings(path) {
+                let hit = self
+                    .routes
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, r)| r.method == *method)
+                    .find_map(|(i, r)| r.path.matches_ignoring_case(&reading).map(|s| (i, s)));
+                match (&found, hit) {
+                    (_, None) => {}
+                    (None, Some(h)) => found = Some(h),
+                    (Some(f), Some(h)) if *f == h => {}
+                    (Some(_), Some(_)) => return Err(AmbiguousPath { path: path.to_owned() }),
+                }
+            }
+        }
         Ok(found.and_then(|(i, s)| self.routes.get(i).map(|r| (r, s))))
     }
 }
@@ -411,6 +442,25 @@ mod tests {
             assert_eq!((r.name, s.as_str()), ("append", "s1"), "{path}");
         }
         assert_eq!(find(&routes, &Method::PUT, "/v1/sessions/s1/").unwrap().0.name, "put");
+    }
+
+    #[test]
+    fn a_write_spelled_in_another_case_is_still_that_write() {
+        let routes = Routes::canonical("/v1/sessions").unwrap();
+        for path in ["/V1/Sessions/s1/MESSAGES", "/v1/SESSIONS/s1/Messages/"] {
+            let (r, s) = find(&routes, &Method::POST, path).unwrap_or_else(|| panic!("{path} did not match"));
+            assert_eq!((r.name, s.as_str()), ("append", "s1"), "{path}");
+        }
+        // The session id keeps its case: it is the store's key, not a literal of the route.
+        let (_, s) = find(&routes, &Method::POST, "/V1/sessions/AbC/messages").unwrap();
+        assert_eq!(s, "AbC");
+    }
+
+    #[test]
+    fn a_route_holding_an_encoded_separator_is_refused() {
+        for path in ["/api/{session}/a%2Fb", "/api/{session}/a%5cb", "/api/{session}/a;v=1"] {
+            assert!(Template::parse(path).is_err(), "{path} was accepted");
+        }
     }
 
     #[test]

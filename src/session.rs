@@ -129,11 +129,26 @@ pub fn is_stale(write_turn: u64, stored_turn: u64) -> bool {
 #[derive(Clone, Debug)]
 pub struct Keys {
     prefix: String,
+    /// The store the documents live in, when a proxy serves several (transparent mode): two
+    /// stores holding the same path are two documents.
+    store: Option<String>,
 }
 
 impl Keys {
     pub fn new(prefix: impl Into<String>) -> Self {
-        Self { prefix: prefix.into() }
+        Self {
+            prefix: prefix.into(),
+            store: None,
+        }
+    }
+
+    /// The keys of the documents of one store among several (the same prefix; the lock keys
+    /// and fencing counters stay the session's).
+    pub fn for_store(&self, store: impl Into<String>) -> Self {
+        Self {
+            prefix: self.prefix.clone(),
+            store: Some(store.into()),
+        }
     }
 
     /// The lock for one turn of one session: `<prefix>session:{<id>}:<turn>`.
@@ -156,7 +171,13 @@ impl Keys {
     /// keys.
     pub fn scope(&self, session: &SessionId, what: &str) -> Scope {
         use sha2::{Digest, Sha256};
-        let digest = Sha256::digest(what.as_bytes());
+        let mut hasher = Sha256::new();
+        if let Some(store) = &self.store {
+            hasher.update(store.as_bytes());
+            hasher.update(b" ");
+        }
+        hasher.update(what.as_bytes());
+        let digest = hasher.finalize();
         let short: String = digest.iter().take(8).map(|b| format!("{b:02x}")).collect();
         Scope {
             base: format!("{}session:{{{}}}:d{}", self.prefix, session, short),
@@ -262,6 +283,28 @@ mod tests {
         assert!(is_stale(4, 5));
         assert!(!is_stale(5, 5));
         assert!(!is_stale(6, 5));
+    }
+
+    #[test]
+    fn two_stores_never_share_a_documents_keys() {
+        let keys = Keys::new("tl:");
+        let id = SessionId::parse("s1").unwrap();
+        let a = keys
+            .for_store("10.0.0.1:8080 a.example")
+            .scope(&id, "/api/threads/s1/events");
+        let b = keys
+            .for_store("10.0.0.2:8080 a.example")
+            .scope(&id, "/api/threads/s1/events");
+        let c = keys
+            .for_store("10.0.0.1:8080 b.example")
+            .scope(&id, "/api/threads/s1/events");
+        assert_ne!(a.slot(), b.slot());
+        assert_ne!(a.turn_mark(), c.turn_mark());
+        assert_eq!(
+            keys.lock(&id, 3),
+            keys.for_store("10.0.0.1:8080").lock(&id, 3),
+            "the lock stays the session's"
+        );
     }
 
     proptest! {

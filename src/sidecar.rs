@@ -266,11 +266,20 @@ impl ProxyFactory {
     }
 
     pub(crate) fn proxy(&self, upstream: Upstream) -> Proxy {
+        self.proxy_with_keys(upstream, self.keys.clone())
+    }
+
+    /// The proxy for one of several stores (transparent mode): its documents' keys are its own.
+    pub(crate) fn proxy_for_store(&self, upstream: Upstream, store: &str) -> Proxy {
+        self.proxy_with_keys(upstream, self.keys.for_store(store))
+    }
+
+    fn proxy_with_keys(&self, upstream: Upstream, keys: Keys) -> Proxy {
         let pipeline = Pipeline::new(
             self.locks.clone(),
             self.records.clone(),
             upstream.clone(),
-            self.keys.clone(),
+            keys,
             self.metrics.clone(),
             self.settings.clone(),
         );

@@ -275,7 +275,13 @@ impl Destinations {
             upstream = upstream.with_host(host.clone());
         }
         tracing::info!(dst = %dst.addr, host = ?dst.host, "forwarding intercepted connections to their original destination");
-        let proxy = self.inner.factory.proxy(upstream);
+        // The destination (address and the agent's Host) names the store its documents live in.
+        let store = format!(
+            "{} {}",
+            dst.addr,
+            dst.host.as_ref().and_then(|h| h.to_str().ok()).unwrap_or("")
+        );
+        let proxy = self.inner.factory.proxy_for_store(upstream, &store);
         cache.live.insert(
             dst,
             Entry {

@@ -128,6 +128,8 @@ async fn every_spelling_of_a_serialize_route_is_locked_and_stale_checked() {
         "/api/threads/t1/./events",
         "/api/x/../threads/t1/events",
         "/api/threads/t1/events;v=1",
+        "/API/threads/t1/events",
+        "/api/Threads/t1/EVENTS",
     ];
     for path in spellings {
         let (status, body) = send_raw(proxy.addr, Method::POST, path, &[("x-turn", "1")], json!({})).await;
