@@ -158,18 +158,20 @@ impl RedisLocks {
 
     pub(super) fn watch(&self, key: &str) -> Wake {
         let channel = self.keys.released(key);
-        let watcher = self
-            .watchers
-            .entry(channel.clone())
-            .or_insert_with(|| {
+        // The waiter is counted, and subscription changes are sent, under the map's entry lock:
+        // a last waiter leaving (which unsubscribes) and a new one arriving (which subscribes)
+        // are then ordered, and the channel is never left unsubscribed while someone waits.
+        let watcher = {
+            let entry = self.watchers.entry(channel.clone()).or_insert_with(|| {
                 let _ = self.subscriptions.send(Subscription::Subscribe(channel.clone()));
                 Arc::new(Watcher {
                     notify: Arc::new(Notify::new()),
                     waiters: AtomicUsize::new(0),
                 })
-            })
-            .clone();
-        watcher.waiters.fetch_add(1, Ordering::SeqCst);
+            });
+            entry.waiters.fetch_add(1, Ordering::SeqCst);
+            entry.clone()
+        };
         let guard = WatchGuard {
             channel,
             watcher: watcher.clone(),
@@ -298,15 +300,14 @@ struct WatchGuard {
 impl Drop for WatchGuard {
     fn drop(&mut self) {
         if self.watcher.waiters.fetch_sub(1, Ordering::SeqCst) == 1 {
-            let removed = self
-                .watchers
-                .remove_if(&self.channel, |_, w| w.waiters.load(Ordering::SeqCst) == 0)
-                .is_some();
-            if removed {
-                let _ = self
-                    .subscriptions
-                    .send(Subscription::Unsubscribe(std::mem::take(&mut self.channel)));
-            }
+            let subscriptions = &self.subscriptions;
+            self.watchers.remove_if(&self.channel, |channel, w| {
+                let idle = w.waiters.load(Ordering::SeqCst) == 0;
+                if idle {
+                    let _ = subscriptions.send(Subscription::Unsubscribe(channel.clone()));
+                }
+                idle
+            });
         }
     }
 }
