@@ -46,15 +46,21 @@ struct Inner {
 }
 
 /// Notices a Redis that stopped answering without waiting for each command's timeout: while
-/// commands are outstanding, how long since the last one was sent to an idle connection or
-/// answered.
+/// commands are outstanding, how long since the last one was sent to an idle, answering
+/// connection or answered. A command that timed out or lost its connection is no answer: the
+/// silence it began goes on with the next command.
 struct Progress {
     base: std::time::Instant,
     in_flight: AtomicUsize,
     since_us: AtomicU64,
+    /// The last command ended without an answer from Redis.
+    silent: std::sync::atomic::AtomicBool,
 }
 
-struct Outstanding<'a>(&'a Progress);
+struct Outstanding<'a> {
+    progress: &'a Progress,
+    answered: bool,
+}
 
 enum Source {
     Direct(Client),
@@ -167,11 +173,12 @@ impl RedisConn {
         F: FnOnce(MultiplexedConnection) -> Fut,
         Fut: std::future::Future<Output = Result<T, RedisError>>,
     {
-        let _outstanding = self.inner.progress.begin();
+        let mut outstanding = self.inner.progress.begin();
         let result = match self.get().await {
             Ok(conn) => f(conn).await,
             Err(e) => Err(e),
         };
+        outstanding.answered = result.as_ref().map_or_else(|e| !needs_reconnect(e), |_| true);
         if let Err(e) = &result {
             if let Some(metrics) = self.inner.metrics.get() {
                 metrics.redis_error(operation_of::<F>(), error_kind(e));
@@ -192,6 +199,7 @@ impl Progress {
             base: std::time::Instant::now(),
             in_flight: AtomicUsize::new(0),
             since_us: AtomicU64::new(0),
+            silent: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -200,10 +208,13 @@ impl Progress {
     }
 
     fn begin(&self) -> Outstanding<'_> {
-        if self.in_flight.fetch_add(1, Ordering::AcqRel) == 0 {
+        if self.in_flight.fetch_add(1, Ordering::AcqRel) == 0 && !self.silent.load(Ordering::Acquire) {
             self.since_us.store(self.now_us(), Ordering::Release);
         }
-        Outstanding(self)
+        Outstanding {
+            progress: self,
+            answered: false,
+        }
     }
 
     fn stalled_for(&self) -> Duration {
@@ -217,8 +228,12 @@ impl Progress {
 
 impl Drop for Outstanding<'_> {
     fn drop(&mut self) {
-        self.0.since_us.store(self.0.now_us(), Ordering::Release);
-        self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
+        let p = self.progress;
+        if self.answered {
+            p.since_us.store(p.now_us(), Ordering::Release);
+        }
+        p.silent.store(!self.answered, Ordering::Release);
+        p.in_flight.fetch_sub(1, Ordering::AcqRel);
     }
 }
 

@@ -162,10 +162,10 @@ pub async fn start(args: ProxyArgs) -> Result<Running, ConfigError> {
             let serving = crate::server::serve_with(listener, handler, transparent, shutdown.clone(), grace);
             let began = async {
                 shutdown.cancelled().await;
-                Instant::now()
+                (Instant::now(), locks.release_failures())
             };
-            let ((), began) = tokio::join!(serving, began);
-            let result = finish_shutdown(&destinations, &locks, began + grace).await;
+            let ((), (began, failures_before)) = tokio::join!(serving, began);
+            let result = finish_shutdown(&destinations, &locks, began + grace, failures_before).await;
             if let Ok(mut o) = outcome.lock() {
                 *o = result;
             }
@@ -213,7 +213,12 @@ impl ShutdownOutcome {
 
 /// Drains in-flight writes until `deadline`, then gives back the locks still held, within
 /// what is left of the grace (at least [`RELEASE_FLOOR`]).
-async fn finish_shutdown(destinations: &Destinations, locks: &Locks, deadline: Instant) -> ShutdownOutcome {
+async fn finish_shutdown(
+    destinations: &Destinations,
+    locks: &Locks,
+    deadline: Instant,
+    failures_before: usize,
+) -> ShutdownOutcome {
     let abandoned_writes = tokio::time::timeout_at(deadline.into(), destinations.drain())
         .await
         .is_err();
@@ -229,9 +234,11 @@ async fn finish_shutdown(destinations: &Destinations, locks: &Locks, deadline: I
             "could not release every lock in time: the rest expire after their lease"
         ),
     }
+    // Locks whose release failed since the shutdown began are left to expire too.
+    let failed = locks.release_failures().saturating_sub(failures_before);
     ShutdownOutcome {
         abandoned_writes,
-        locks_left: locks.held_count(),
+        locks_left: locks.held_count() + failed,
     }
 }
 

@@ -11,10 +11,11 @@ use tracing_subscriber::EnvFilter;
 
 pub const LOG_FORMAT: &str = "TURNLOCK_LOG_FORMAT";
 
-/// `RUST_LOG` did not parse as a filter.
+/// `RUST_LOG` did not parse as a filter, or `TURNLOCK_LOG_FORMAT` names no format.
 #[derive(Debug, thiserror::Error)]
-#[error("invalid RUST_LOG {value:?}: {reason}")]
+#[error("invalid {var} {value:?}: {reason}")]
 pub struct BadFilter {
+    var: &'static str,
     value: String,
     reason: String,
 }
@@ -24,6 +25,7 @@ pub fn filter(rust_log: Option<&str>, default: &str) -> Result<EnvFilter, BadFil
     match rust_log.map(str::trim).filter(|v| !v.is_empty()) {
         None => Ok(EnvFilter::new(default)),
         Some(value) => EnvFilter::builder().parse(value).map_err(|e| BadFilter {
+            var: "RUST_LOG",
             value: value.to_owned(),
             reason: e.to_string(),
         }),
@@ -34,10 +36,25 @@ pub fn filter(rust_log: Option<&str>, default: &str) -> Result<EnvFilter, BadFil
 pub fn init(default: &str) -> Result<(), BadFilter> {
     let rust_log = std::env::var(EnvFilter::DEFAULT_ENV).ok();
     let filter = filter(rust_log.as_deref(), default)?;
-    let json = std::env::var(LOG_FORMAT).is_ok_and(|v| v.eq_ignore_ascii_case("json"));
+    let json = match std::env::var(LOG_FORMAT) {
+        Err(_) => false,
+        Ok(v) if v.eq_ignore_ascii_case("json") => true,
+        Ok(v) if v.is_empty() || v.eq_ignore_ascii_case("text") => false,
+        Ok(v) => {
+            return Err(BadFilter {
+                var: LOG_FORMAT,
+                value: v,
+                reason: "the formats are `text` (the default) and `json`".into(),
+            })
+        }
+    };
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(std::io::stderr().is_terminal())
+        // A log line that cannot be written (stderr a pipe whose reader is gone) is dropped:
+        // reporting it would print to that same stderr, which panics the task that logged, and
+        // a signal handler that logs would then never start the shutdown.
+        .log_internal_errors(false)
         .with_writer(std::io::stderr);
     let _ = if json {
         builder.json().with_current_span(true).try_init()

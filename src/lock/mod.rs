@@ -284,6 +284,20 @@ impl Locks {
         self.held().len()
     }
 
+    /// How many releases have failed so far (each lock left to expire with its lease).
+    pub fn release_failures(&self) -> usize {
+        match self {
+            Locks::Memory(_) => 0,
+            Locks::Redis(r) => r.release_failures.load(Ordering::SeqCst),
+        }
+    }
+
+    fn release_failed(&self) {
+        if let Locks::Redis(r) = self {
+            r.release_failures.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
     pub async fn release_all(&self) -> usize {
         let held: Vec<(String, String)> = self
             .held()
@@ -292,8 +306,10 @@ impl Locks {
             .collect();
         let mut released = 0;
         for (key, token) in held {
-            if let Ok(true) = self.release_key(&key, &token).await {
-                released += 1;
+            match self.release_key(&key, &token).await {
+                Ok(true) => released += 1,
+                Ok(false) => {}
+                Err(_) => self.release_failed(),
             }
             self.held().remove(&key);
         }
@@ -411,6 +427,7 @@ impl Lease {
         match result {
             Ok(held) => held,
             Err(error) => {
+                self.locks.release_failed();
                 tracing::warn!(key = %self.key, %error, "lock release failed; it expires with its lease");
                 false
             }

@@ -31,6 +31,8 @@ pub struct RedisLocks {
     replica_wait: Option<ReplicaWait>,
     pub(super) metrics: Metrics,
     pub(super) held: DashMap<String, String>,
+    /// Releases that failed (the lock then expires with its lease): a shutdown reports them.
+    pub(super) release_failures: std::sync::atomic::AtomicUsize,
     conn: RedisConn,
     keys: Keys,
     scripts: Scripts,
@@ -66,6 +68,7 @@ impl RedisLocks {
             replica_wait: None,
             metrics,
             held: DashMap::new(),
+            release_failures: std::sync::atomic::AtomicUsize::new(0),
             conn,
             keys,
             scripts: Scripts {

@@ -349,18 +349,18 @@ impl Queue {
         st.pending.len() != before
     }
 
-    /// The latest deadline among the waiting writes, answering `busy` to those already past
-    /// theirs; `None` (and the leader resigns) when nothing waits.
+    /// The latest deadline among the waiting writes, answering `busy` (or `lock_unavailable`
+    /// when Redis is what kept them waiting) to those already past theirs; `None` (and the leader resigns) when nothing waits.
     /// The claims of the writes answered `busy` are added to `dropped`: nothing was written
     /// for them, and their clients may be gone.
-    fn next_deadline(&self, budget: Duration, dropped: &mut Vec<(String, Bytes)>) -> Option<Instant> {
+    fn next_deadline(&self, locks: &Locks, budget: Duration, dropped: &mut Vec<(String, Bytes)>) -> Option<Instant> {
         let mut st = lock(&self.state);
         let now = Instant::now();
         let (due, keep): (VecDeque<Pending>, VecDeque<Pending>) = st.pending.drain(..).partition(|p| p.deadline <= now);
         st.pending = keep;
         for p in due {
             dropped.extend(p.claim);
-            let _ = p.reply.send(busy(budget));
+            let _ = p.reply.send(unanswered(locks, budget));
         }
         let latest = st.pending.iter().map(|p| p.deadline).max();
         if latest.is_none() {
@@ -391,7 +391,7 @@ impl Queue {
 async fn lead_queue(s: Arc<Shared>, queue: Arc<Queue>, queue_key: String) {
     let fence_key = s.keys.fence_token(&queue.session);
     let mut dropped = Vec::new();
-    while let Some(deadline) = queue.next_deadline(s.settings.budget, &mut dropped) {
+    while let Some(deadline) = queue.next_deadline(&s.locks, s.settings.budget, &mut dropped) {
         for (key, claim) in dropped.drain(..) {
             let _ = s
                 .records

@@ -94,6 +94,14 @@ fn values_that_would_break_writes_are_refused_with_64_and_no_secret() {
         assert!(stderr.contains(needle), "{args:?}: {stderr:?} lacks {needle:?}");
         assert!(!stderr.contains(secret), "{args:?} printed the password: {stderr}");
     }
+    let out = Command::new(turnlock_bin())
+        .arg("proxy")
+        .env("TURNLOCK_LOG_FORMAT", "xml")
+        .output()
+        .expect("run turnlock");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(64), "{stderr}");
+    assert!(stderr.contains("TURNLOCK_LOG_FORMAT"), "{stderr}");
     let help = Command::new(turnlock_bin()).arg("--help").output().expect("help");
     assert_eq!(help.status.code(), Some(0));
 }

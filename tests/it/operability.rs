@@ -163,6 +163,44 @@ async fn shutdown_with_a_hung_redis_and_held_writes_ends_within_the_grace_and_sa
     assert_eq!(code, Some(70), "abandoned writes must not exit 0");
 }
 
+/// Writes that finish within the grace but whose locks cannot be given back (Redis hung) leave
+/// those locks to expire: the shutdown is not clean, and the exit code says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn locks_that_could_not_be_released_at_shutdown_are_not_a_clean_exit() {
+    let store = store().await;
+    let relay = Relay::start(store.addr).await;
+    let redis = RedisServer::start();
+    let proxy = ProxyProc::spawn(&relay.url("http"), Some(&redis.url()), &["--shutdown-grace-ms", "4000"]);
+    relay.on_put(OnPut::Hold);
+    let client = proxy.client();
+    let writers: Vec<_> = (0..4u64)
+        .map(|i| {
+            let client = client.clone();
+            tokio::spawn(async move { try_append(&client, &format!("left-{i}"), 1, "m", true, &[]).await })
+        })
+        .collect();
+    assert!(
+        relay.wait_held(4, Duration::from_secs(10)).await,
+        "writes did not reach the store"
+    );
+    redis.signal("STOP");
+    let mut proc = proxy.proc;
+    proc.signal("TERM");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // The store answers: every write is answered within the grace, but no lock goes back.
+    relay.release_held();
+    let mut answered = 0;
+    for w in writers {
+        if let Ok(Ok(r)) = w.await {
+            answered += usize::from(r.status.is_success());
+        }
+    }
+    let (code, _) = wait_exit(&mut proc.child, Duration::from_secs(20));
+    redis.signal("CONT");
+    assert_eq!(answered, 4, "the writes were answered");
+    assert_eq!(code, Some(70), "locks left to expire must not exit 0");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_signal_exits_at_once() {
     let store = store().await;
@@ -188,6 +226,33 @@ async fn a_second_signal_exits_at_once() {
     let _ = writer.await;
     assert_eq!(code, Some(130));
     assert!(took < Duration::from_secs(1), "second signal took {took:?}");
+}
+
+/// A log reader that went away (stderr a closed pipe) must not keep the proxy from stopping.
+#[test]
+fn sigterm_stops_the_proxy_when_its_log_pipe_is_gone() {
+    let (port, admin) = (free_port(), free_port());
+    let mut child = std::process::Command::new(turnlock_bin())
+        .args([
+            "proxy",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--admin",
+            &format!("127.0.0.1:{admin}"),
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start turnlock");
+    wait_for_port(admin, Duration::from_secs(10));
+    drop(child.stderr.take());
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .expect("kill");
+    assert!(status.success());
+    let (code, _) = wait_exit(&mut child, Duration::from_secs(5));
+    assert_eq!(code, Some(0), "the proxy did not stop on SIGTERM with its stderr gone");
 }
 
 /// One keep-alive client: sends GETs on one connection until told to stop or the server

@@ -505,12 +505,27 @@ fn many_destinations_the_host_header_and_non_http_traffic_are_served_and_a_loop_
         "-X",
         "POST",
         "-H",
+        "Host: store.example.com:8080",
+        "-H",
         "X-Turn: 2",
         "--data",
         "{}",
         &format!("http://{STORE_IP}:{STORE_PORT}/threads/t1/events"),
     ]);
     assert_eq!(status, 409, "a stale serialize write is refused by the sidecar: {body}");
+    // Another virtual host at the same address is another store: its turns are its own.
+    let (status, body) = lab.curl(&[
+        "-X",
+        "POST",
+        "-H",
+        "Host: other.example.com:8080",
+        "-H",
+        "X-Turn: 2",
+        "--data",
+        "{}",
+        &format!("http://{STORE_IP}:{STORE_PORT}/threads/t1/events"),
+    ]);
+    assert_eq!(status, 200, "another store's turn refused a write: {body}");
 
     // So does a merge write: turnlock's own read and write-back name the store as the agent did.
     let (status, body) = lab.curl(&[
