@@ -45,3 +45,6 @@ pub mod store;
 pub mod telemetry;
 pub mod transparent;
 pub mod upstream;
+
+#[cfg(test)]
+mod layering;

@@ -13,13 +13,13 @@ use crate::config::{ConfigError, ProxyArgs};
 use crate::health::Health;
 use crate::lock::{LockSettings, Locks, MemoryLocks, RedisLocks};
 use crate::metrics::Metrics;
-use crate::proxy::{Pipeline, PipelineSettings, Proxy};
+use crate::proxy::{PipelineSettings, ProxyFactory};
 use crate::records::Records;
 use crate::redis_conn::RedisConn;
 use crate::routes::Routes;
 use crate::session::Keys;
 use crate::transparent::Destinations;
-use crate::upstream::{PoolSettings, Upstream};
+use crate::upstream::PoolSettings;
 
 /// A running sidecar: the agent-facing server, and what tests and the admin side look at.
 pub struct Running {
@@ -244,42 +244,4 @@ fn spawn_sweeper(locks: std::sync::Arc<MemoryLocks>, records: Records) {
             records.sweep();
         }
     });
-}
-
-/// Builds a proxy (with its own write pipeline) for one store; the lock backend, records and
-/// metrics are shared, so writers of one session are serialized whichever store they address.
-pub(crate) struct ProxyFactory {
-    routes: Routes,
-    locks: Locks,
-    records: Records,
-    keys: Keys,
-    metrics: Metrics,
-    settings: PipelineSettings,
-    upstream_timeout: Duration,
-    pool: PoolSettings,
-    max_body: crate::proxy::Limits,
-}
-
-impl ProxyFactory {
-    pub(crate) fn upstream(&self, url: &str) -> Result<Upstream, String> {
-        Upstream::with_pool(url, self.upstream_timeout, self.pool, self.metrics.clone())
-    }
-
-    pub(crate) fn proxy(&self, upstream: Upstream) -> Proxy {
-        let pipeline = Pipeline::new(
-            self.locks.clone(),
-            self.records.clone(),
-            upstream.clone(),
-            self.keys.clone(),
-            self.metrics.clone(),
-            self.settings.clone(),
-        );
-        Proxy::new(
-            self.routes.clone(),
-            upstream,
-            pipeline,
-            self.metrics.clone(),
-            self.max_body,
-        )
-    }
 }

@@ -9,7 +9,7 @@ use common::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn demo_loses_updates_straight_to_the_store_and_none_through_turnlock() {
-    let reports = turnlock::demo::run(turnlock::config::DemoArgs {
+    let reports = turnlock::demo::run(turnlock::demo::DemoArgs {
         replicas: 8,
         sessions: 4,
         writes: 25,

@@ -16,6 +16,10 @@ use tokio_util::sync::CancellationToken;
 
 use crate::http::Body;
 
+mod intercept;
+
+pub use self::intercept::{is_own, original_dst, speaks_http, splice, SNIFF_WAIT};
+
 /// How long a client may take to send a request head (slow clients are cut off).
 pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 /// Most header lines accepted in one request.
@@ -78,7 +82,7 @@ pub async fn serve_with<H, F>(
         let conn = Conn {
             peer,
             original_dst: if original_dst {
-                crate::transparent::original_dst(&stream)
+                self::intercept::original_dst(&stream)
             } else {
                 None
             },
@@ -100,13 +104,13 @@ pub async fn serve_with<H, F>(
         let (graceful, hard) = (graceful.clone(), hard_stop.clone());
         let intercepted = conn
             .original_dst
-            .filter(|dst| !own.is_some_and(|own| crate::transparent::is_own(*dst, own)));
+            .filter(|dst| !own.is_some_and(|own| self::intercept::is_own(*dst, own)));
         connections.spawn(async move {
             // Transparent mode: what is not HTTP goes to its destination as raw TCP.
             if let Some(dst) = intercepted {
-                if !crate::transparent::speaks_http(&stream).await {
+                if !self::intercept::speaks_http(&stream).await {
                     tokio::select! {
-                        _ = crate::transparent::splice(stream, peer, dst) => {}
+                        _ = self::intercept::splice(stream, peer, dst) => {}
                         _ = hard.cancelled() => {}
                     }
                     return;
