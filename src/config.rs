@@ -112,6 +112,46 @@ pub const MAX_TIMEOUT_MS: u64 = 600_000;
 #[error("configuration error: {0}")]
 pub struct ConfigError(pub String);
 
+/// Exit code for bad configuration (EX_USAGE).
+pub const EXIT_USAGE: u8 = 64;
+/// Exit code when a backend could not be set up at start (EX_UNAVAILABLE).
+pub const EXIT_BACKEND: u8 = 69;
+/// Exit code when an address cannot be listened on (EX_OSERR): in use, or not this host's.
+pub const EXIT_BIND: u8 = 71;
+
+/// Why a server did not start; each kind has its own exit code ([`StartError::exit_code`]).
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The address cannot be listened on.
+    #[error("cannot listen on {what}{addr}: {source}")]
+    Bind {
+        /// What the address is for, when not the main one (`"admin address "`).
+        what: &'static str,
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    /// A backend (Redis) could not be set up.
+    #[error("backend unavailable: {0}")]
+    Backend(String),
+}
+
+impl StartError {
+    /// A bind failure for `addr`.
+    pub fn bind(addr: SocketAddr, source: std::io::Error) -> Self {
+        Self::Bind { what: "", addr, source }
+    }
+
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            Self::Config(_) => EXIT_USAGE,
+            Self::Backend(_) => EXIT_BACKEND,
+            Self::Bind { .. } => EXIT_BIND,
+        }
+    }
+}
+
 impl ProxyArgs {
     pub fn validate(&self) -> Result<(), ConfigError> {
         let err = |m: &str| Err(ConfigError(m.to_owned()));

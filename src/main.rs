@@ -5,10 +5,8 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
-use turnlock::config::ConfigError;
+use turnlock::config::{ConfigError, StartError, EXIT_USAGE};
 
-/// Exit code for bad configuration (EX_USAGE).
-const EXIT_USAGE: u8 = 64;
 /// How long `turnlock health` waits for the admin server (the image HEALTHCHECK allows 3 s).
 const HEALTH_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
 /// Exit code of a proxy whose shutdown ran out of grace: writes were abandoned unanswered or
@@ -89,12 +87,12 @@ fn main() -> ExitCode {
         Ok(code) => code,
         Err(e) => {
             eprintln!("turnlock: {e}");
-            ExitCode::from(EXIT_USAGE)
+            ExitCode::from(e.exit_code())
         }
     }
 }
 
-async fn run(command: Command) -> Result<ExitCode, ConfigError> {
+async fn run(command: Command) -> Result<ExitCode, StartError> {
     match command {
         Command::Proxy(args) => {
             let running = turnlock::sidecar::start(args).await?;
@@ -129,7 +127,7 @@ async fn run(command: Command) -> Result<ExitCode, ConfigError> {
                     ExitCode::FAILURE
                 })
             }
-            Err(e) => Err(ConfigError(e.to_string())),
+            Err(e) => Err(ConfigError(e.to_string()).into()),
         },
         Command::Inject(args) => {
             let shutdown = CancellationToken::new();
@@ -137,7 +135,7 @@ async fn run(command: Command) -> Result<ExitCode, ConfigError> {
             turnlock::inject::run(args, shutdown).await?;
             Ok(ExitCode::SUCCESS)
         }
-        Command::InitIptables(args) => turnlock::transparent::run_init_iptables(args).await,
+        Command::InitIptables(args) => Ok(turnlock::transparent::run_init_iptables(args).await?),
         Command::Bench(args) => match turnlock::bench::run(args).await {
             Ok(report) => {
                 println!("{}", turnlock::bench::table(&report));

@@ -48,7 +48,7 @@ fn bad_configuration_exits_64_with_a_clear_message() {
         .args(["proxy", "--listen", &addr])
         .output()
         .expect("run turnlock");
-    assert_eq!(out.status.code(), Some(64));
+    assert_eq!(out.status.code(), Some(turnlock::config::EXIT_BIND.into()));
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot listen"));
 }
 

@@ -2,11 +2,13 @@
 //! is forwarded to the store unchanged.
 
 mod answer;
+mod error;
 mod factory;
 mod passthrough;
 mod pipeline;
 mod request;
 
+pub use self::error::WriteError;
 pub use self::factory::ProxyFactory;
 pub use self::pipeline::{Pipeline, Settings as PipelineSettings};
 pub use self::request::{Limits, BODY_READ_TIMEOUT, CONTEXT_REPLACE, IDEMPOTENCY_KEY, SESSION_TURN};

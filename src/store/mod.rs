@@ -23,7 +23,7 @@ use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::ConfigError;
+use crate::config::{ConfigError, StartError};
 use crate::http::{error, etag_for, full, version_from_etag, Body};
 
 /// Path prefix of the session documents.
@@ -103,7 +103,7 @@ pub enum PutOutcome {
 /// A running store.
 pub type RunningStore = crate::server::Serving;
 
-pub async fn start(args: StoreArgs) -> Result<RunningStore, ConfigError> {
+pub async fn start(args: StoreArgs) -> Result<RunningStore, StartError> {
     let backend = match &args.redis {
         Some(url) => Backend::redis(url, &args.key_prefix).map_err(|e| ConfigError(e.to_string()))?,
         None => Backend::memory(),
@@ -116,7 +116,7 @@ pub async fn start(args: StoreArgs) -> Result<RunningStore, ConfigError> {
     };
     let listener = TcpListener::bind(args.listen)
         .await
-        .map_err(|e| ConfigError(format!("cannot listen on {}: {e}", args.listen)))?;
+        .map_err(|e| StartError::bind(args.listen, e))?;
     let addr = listener.local_addr().map_err(|e| ConfigError(e.to_string()))?;
     let shutdown = CancellationToken::new();
     let grace = Duration::from_millis(args.shutdown_grace_ms);

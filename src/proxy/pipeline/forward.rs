@@ -6,7 +6,7 @@ use http::header::{self, HeaderValue};
 use http::{Request, StatusCode};
 use tokio::time::Instant;
 
-use super::errors::{lease_lost, merge_refusal, upstream_answer};
+use super::errors::refused;
 use super::queue::{Pending, Queue};
 use super::slot::SlotHold;
 use super::Shared;
@@ -14,6 +14,7 @@ use crate::http::{full, strip_hop_by_hop};
 use crate::lock::{Lease, Settled};
 use crate::merge::MergeError;
 use crate::proxy::answer::Answer;
+use crate::proxy::error::WriteError;
 use crate::proxy::request::Action;
 use crate::session::is_stale;
 use crate::upstream::FENCING_TOKEN;
@@ -60,7 +61,7 @@ pub(super) async fn serialize_one(
         ..
     } = &p.write.action
     else {
-        let answer = Answer::error(StatusCode::INTERNAL_SERVER_ERROR, "internal", "mixed batch", None);
+        let answer = Answer::from(WriteError::Internal("mixed batch"));
         return (answer, Some(Settled::Unchanged));
     };
     if let Err(answer) = slot.hold(s, lease).await {
@@ -71,10 +72,10 @@ pub(super) async fn serialize_one(
             turn: p.write.turn,
             current: slot.turn_mark,
         };
-        return (merge_refusal(s, &stale), Some(Settled::Unchanged));
+        return (refused(s, stale), Some(Settled::Unchanged));
     }
     if !lease.check() {
-        return (lease_lost(), Some(Settled::Unchanged));
+        return (Answer::from(WriteError::LeaseLost), Some(Settled::Unchanged));
     }
     let mut headers = headers.clone();
     strip_hop_by_hop(&mut headers);
@@ -84,7 +85,7 @@ pub(super) async fn serialize_one(
     let uri = match s.upstream.uri(path_and_query) {
         Ok(u) => u,
         Err(e) => {
-            let answer = Answer::error(StatusCode::BAD_REQUEST, "invalid_path", e, None);
+            let answer = Answer::from(WriteError::InvalidPath(e.to_string()));
             return (answer, Some(Settled::Unchanged));
         }
     };
@@ -120,7 +121,7 @@ pub(super) async fn serialize_one(
         }
         Err(e) => {
             let settled = (!e.outcome_unknown()).then_some(Settled::Unchanged);
-            (upstream_answer(&e), settled)
+            (Answer::from(WriteError::Upstream(e)), settled)
         }
     }
 }
@@ -162,12 +163,12 @@ pub(super) async fn delete_one(
         return (answer, Some(Settled::Unchanged));
     }
     if !lease.check() {
-        return (lease_lost(), Some(Settled::Unchanged));
+        return (Answer::from(WriteError::LeaseLost), Some(Settled::Unchanged));
     }
     let uri = match s.upstream.uri(path) {
         Ok(u) => u,
         Err(e) => {
-            let answer = Answer::error(StatusCode::BAD_REQUEST, "invalid_path", e, None);
+            let answer = Answer::from(WriteError::InvalidPath(e.to_string()));
             return (answer, Some(Settled::Unchanged));
         }
     };
@@ -211,7 +212,7 @@ pub(super) async fn delete_one(
         }
         Err(e) => {
             let settled = (!e.outcome_unknown()).then_some(Settled::Unchanged);
-            (upstream_answer(&e), settled)
+            (Answer::from(WriteError::Upstream(e)), settled)
         }
     }
 }

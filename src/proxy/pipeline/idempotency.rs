@@ -10,6 +10,7 @@ use http::StatusCode;
 
 use super::{Pending, Pipeline, Shared, MAX_ATTEMPTS};
 use crate::proxy::answer::{Answer, Record};
+use crate::proxy::error::WriteError;
 use crate::proxy::request::Action;
 use crate::redis_conn::Entry;
 
@@ -31,21 +32,13 @@ impl Pipeline {
         let claim_ttl = self.claim_ttl();
         for _ in 0..2 {
             match s.records.get(key).await {
-                Err(e) => return Claim::Answered(Answer::retryable("lock_unavailable", e)),
+                Err(e) => return Claim::Answered(Answer::from(WriteError::LockUnavailable(e.to_string()))),
                 Ok(Some(bytes)) => {
                     let Some(record) = Record::parse(&bytes) else {
-                        return Claim::Answered(Answer::retryable(
-                            "idempotency_record_unreadable",
-                            "the idempotency record could not be read",
-                        ));
+                        return Claim::Answered(Answer::from(WriteError::RecordUnreadable));
                     };
                     if record.fingerprint != fingerprint {
-                        return Claim::Answered(Answer::error(
-                            StatusCode::UNPROCESSABLE_ENTITY,
-                            "idempotency_key_reused",
-                            "this Idempotency-Key was used for a different request",
-                            None,
-                        ));
+                        return Claim::Answered(Answer::from(WriteError::KeyReused));
                     }
                     return Claim::Answered(match record.done {
                         Some(stored) => {
@@ -55,10 +48,7 @@ impl Pipeline {
                                 HeaderValue::from_static("true"),
                             )
                         }
-                        None => Answer::retryable(
-                            "request_in_progress",
-                            "a request with this Idempotency-Key is in progress",
-                        ),
+                        None => Answer::from(WriteError::InProgress),
                     });
                 }
                 Ok(None) => {
@@ -66,15 +56,12 @@ impl Pipeline {
                     match s.records.put_new(key, claim.clone(), claim_ttl).await {
                         Ok(true) => return Claim::Held(claim),
                         Ok(false) => continue,
-                        Err(e) => return Claim::Answered(Answer::retryable("lock_unavailable", e)),
+                        Err(e) => return Claim::Answered(Answer::from(WriteError::LockUnavailable(e.to_string()))),
                     }
                 }
             }
         }
-        Claim::Answered(Answer::retryable(
-            "request_in_progress",
-            "a request with this Idempotency-Key is in progress",
-        ))
+        Claim::Answered(Answer::from(WriteError::InProgress))
     }
 }
 

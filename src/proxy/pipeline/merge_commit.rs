@@ -10,7 +10,7 @@ use http::StatusCode;
 use serde_json::json;
 use tokio::time::Instant;
 
-use super::errors::{lease_lost, merge_refusal, too_large_document, upstream_answer, write_conflict};
+use super::errors::refused;
 use super::queue::{Pending, Queue};
 use super::slot::SlotHold;
 use super::{Shared, MAX_ATTEMPTS};
@@ -18,6 +18,7 @@ use crate::http::etag_for;
 use crate::lock::{Lease, Settled};
 use crate::merge::{self, Document, MergeError, Op, RandomIds, Snapshot};
 use crate::proxy::answer::Answer;
+use crate::proxy::error::WriteError;
 use crate::proxy::request::Action;
 use crate::redis_conn::Entry;
 use crate::session::{Scope, SessionId};
@@ -67,7 +68,7 @@ pub(super) async fn merge_attempts(
         }
         let fetched = match s.upstream.get_document(path).await {
             Ok(f) => f,
-            Err(e) => return (vec![upstream_answer(&e); batch.len()], false),
+            Err(e) => return (vec![Answer::from(WriteError::Upstream(e)); batch.len()], false),
         };
         if fetched.etag.is_some() {
             s.etags_seen.store(true, Ordering::Relaxed);
@@ -85,12 +86,12 @@ pub(super) async fn merge_attempts(
                 .into_iter()
                 .map(|r| match r {
                     Ok(_) => on_ok.clone(),
-                    Err(e) => merge_refusal(s, &e),
+                    Err(e) => refused(s, e),
                 })
                 .collect()
         };
         let Some(mut next) = doc.filter(|_| results.iter().any(Result::is_ok)) else {
-            let on_ok = Answer::error(StatusCode::INTERNAL_SERVER_ERROR, "internal", "nothing to write", None);
+            let on_ok = Answer::from(WriteError::Internal("nothing to write"));
             return (refusals(results, &on_ok), false);
         };
         // The slot must outlive the write-back: extended when the read took long.
@@ -100,7 +101,7 @@ pub(super) async fn merge_attempts(
             }
         }
         if !lease.check() {
-            return (refusals(results, &lease_lost()), false);
+            return (refusals(results, &Answer::from(WriteError::LeaseLost)), false);
         }
         // One write-back: the whole batch is one new version, whatever it merged.
         let new_version = current_version + 1;
@@ -115,7 +116,13 @@ pub(super) async fn merge_attempts(
         let body = Bytes::from(serde_json::to_vec(&next).unwrap_or_default());
         if body.len() > s.settings.max_document_bytes {
             return (
-                refusals(results, &too_large_document(body.len(), s.settings.max_document_bytes)),
+                refusals(
+                    results,
+                    &Answer::from(WriteError::DocumentTooLarge {
+                        size: body.len(),
+                        limit: s.settings.max_document_bytes,
+                    }),
+                ),
                 false,
             );
         }
@@ -142,7 +149,7 @@ pub(super) async fn merge_attempts(
                             &json!({"session": session.as_str(), "turn": turn, "version": new_version, "message_ids": applied.message_ids}),
                         )
                         .with_header(header::ETAG, etag.clone()),
-                        Err(e) => merge_refusal(s, &e),
+                        Err(e) => refused(s, e),
                     })
                     .collect();
                 return (answers, false);
@@ -152,13 +159,14 @@ pub(super) async fn merge_attempts(
                 if attempt < MAX_ATTEMPTS && started.elapsed() < s.locks.settings().lease / 2 {
                     continue;
                 }
-                return (refusals(results, &write_conflict()), false);
+                return (refusals(results, &Answer::from(WriteError::KeptMoving)), false);
             }
             Err(e) => {
                 if let Some(suppressed) = crate::telemetry::warn_allowed("write-back failed") {
                     tracing::warn!(error = %e, suppressed, "write-back to the context store failed");
                 }
-                return (refusals(results, &upstream_answer(&e)), e.outcome_unknown());
+                let unknown = e.outcome_unknown();
+                return (refusals(results, &Answer::from(WriteError::Upstream(e))), unknown);
             }
         }
     }

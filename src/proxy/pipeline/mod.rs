@@ -19,13 +19,13 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use dashmap::DashMap;
-use http::StatusCode;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 use super::answer::Answer;
+use super::error::WriteError;
 use super::request::{Action, WriteRequest};
 use crate::lock::{Lease, LockError, Locks};
 use crate::metrics::Metrics;
@@ -204,25 +204,14 @@ impl Pipeline {
         }
         match tokio::time::timeout_at(deadline, &mut rx).await {
             Ok(Ok(answer)) => answer,
-            Ok(Err(_)) => Answer::error(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "internal",
-                "the write was dropped",
-                None,
-            ),
+            Ok(Err(_)) => Answer::from(WriteError::Internal("the write was dropped")),
             Err(_) => {
                 if queue.withdraw(id) {
                     unanswered(&s.locks, s.settings.budget)
                 } else {
                     // Already taken into a batch under the lock: its answer is coming.
-                    rx.await.unwrap_or_else(|_| {
-                        Answer::error(
-                            StatusCode::INTERNAL_SERVER_ERROR,
-                            "internal",
-                            "the write was dropped",
-                            None,
-                        )
-                    })
+                    rx.await
+                        .unwrap_or_else(|_| Answer::from(WriteError::Internal("the write was dropped")))
                 }
             }
         }
@@ -249,10 +238,9 @@ async fn lead_queue(s: Arc<Shared>, queue: Arc<Queue>, queue_key: String) {
                 if let Some(suppressed) = crate::telemetry::warn_allowed("lock backend unavailable") {
                     tracing::warn!(lock = %queue.lock_key, error = %e, suppressed, "lock backend unavailable");
                 }
-                queue.fail_all(&Answer::retryable(
-                    "lock_unavailable",
-                    format!("the lock backend is unavailable: {e}"),
-                ));
+                queue.fail_all(&Answer::from(WriteError::LockUnavailable(format!(
+                    "the lock backend is unavailable: {e}"
+                ))));
             }
             Ok(lease) => {
                 let batch = queue.take(s.settings.max_batch);

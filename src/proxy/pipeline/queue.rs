@@ -9,8 +9,8 @@ use bytes::Bytes;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-use super::errors::busy;
 use crate::proxy::answer::Answer;
+use crate::proxy::error::WriteError;
 use crate::proxy::request::WriteRequest;
 use crate::session::{Scope, SessionId};
 
@@ -63,7 +63,7 @@ impl Queue {
         st.pending = keep;
         for p in due {
             dropped.extend(p.claim);
-            let _ = p.reply.send(busy(budget));
+            let _ = p.reply.send(Answer::from(WriteError::SessionBusy(budget)));
         }
         let latest = st.pending.iter().map(|p| p.deadline).max();
         if latest.is_none() {
@@ -192,7 +192,9 @@ mod tests {
         let q = queue();
         let later = Instant::now() + Duration::from_secs(60);
         let mut rx: Vec<_> = (1..=3).map(|id| push(&q, id, later)).collect();
-        q.fail_all(&Answer::retryable("lock_unavailable", "down"));
+        q.fail_all(&Answer::from(crate::proxy::error::WriteError::LockUnavailable(
+            "down".into(),
+        )));
         for r in &mut rx {
             assert_eq!(
                 r.try_recv().map(|a| a.status).ok(),

@@ -4,10 +4,10 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::errors::lease_lost;
 use super::Shared;
 use crate::lock::{Lease, Settled, Slot};
 use crate::proxy::answer::Answer;
+use crate::proxy::error::WriteError;
 use crate::session::Scope;
 
 /// A writer's hold on a document's commit slot.
@@ -50,19 +50,16 @@ impl SlotHold {
                     self.turn_mark = turn_mark;
                     return Ok(());
                 }
-                Ok(Slot::LeaseLost) => return Err(lease_lost()),
+                Ok(Slot::LeaseLost) => return Err(Answer::from(WriteError::LeaseLost)),
                 Ok(Slot::InFlight { remaining }) => {
                     let now = Instant::now();
                     if now >= give_up {
-                        return Err(Answer::retryable(
-                            "write_conflict",
-                            "a write of another turn to this document is in flight; retry",
-                        ));
+                        return Err(Answer::from(WriteError::CommitInFlight));
                     }
                     tokio::time::sleep(pause.min(remaining).min(give_up - now)).await;
                     pause = (pause * 2).min(Duration::from_millis(20));
                 }
-                Err(e) => return Err(Answer::retryable("lock_unavailable", e)),
+                Err(e) => return Err(Answer::from(WriteError::LockUnavailable(e.to_string()))),
             }
         }
     }
