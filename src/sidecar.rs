@@ -154,14 +154,11 @@ pub async fn start(args: ProxyArgs) -> Result<Running, StartError> {
         let locks = locks.clone();
         let outcome = outcome.clone();
         tokio::spawn(async move {
-            let handler = {
+            let make = {
                 let destinations = destinations.clone();
-                move |req, conn| {
-                    let destinations = destinations.clone();
-                    async move { destinations.handle(req, conn).await }
-                }
+                move |conn| destinations.for_connection(conn)
             };
-            let serving = crate::server::serve_with(listener, handler, transparent, shutdown.clone(), grace);
+            let serving = crate::server::serve_with(listener, make, transparent, shutdown.clone(), grace);
             let began = async {
                 shutdown.cancelled().await;
                 Instant::now()

@@ -206,6 +206,21 @@ impl Destinations {
         }
     }
 
+    /// The service for one connection. The proxy is chosen here, once per connection, unless
+    /// the connection was intercepted: its requests then name their store by `Host` as well,
+    /// and each is looked up in the destination cache.
+    pub fn for_connection(&self, conn: Conn) -> ConnService {
+        let fixed = match conn.original_dst {
+            Some(dst) if !is_own(dst, self.inner.own) => None,
+            _ => Some(self.inner.default.clone()),
+        };
+        ConnService {
+            destinations: self.clone(),
+            conn,
+            fixed,
+        }
+    }
+
     pub async fn handle(&self, req: Request<Incoming>, conn: Conn) -> Response<Body> {
         let proxy = match conn.original_dst {
             Some(dst) if !is_own(dst, self.inner.own) => {
@@ -280,6 +295,35 @@ impl Destinations {
         for proxy in all {
             proxy.pipeline().drain().await;
         }
+    }
+}
+
+/// The agent-facing service of one connection (see [`Destinations::for_connection`]).
+#[derive(Clone)]
+pub struct ConnService {
+    destinations: Destinations,
+    conn: Conn,
+    /// The proxy every request of this connection goes to, when it was not intercepted.
+    fixed: Option<Proxy>,
+}
+
+impl tower::Service<Request<Incoming>> for ConnService {
+    type Response = Response<Body>;
+    type Error = std::convert::Infallible;
+    type Future = futures_util::future::BoxFuture<'static, Result<Response<Body>, Self::Error>>;
+
+    fn poll_ready(&mut self, _: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), Self::Error>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<Incoming>) -> Self::Future {
+        let this = self.clone();
+        Box::pin(async move {
+            Ok(match &this.fixed {
+                Some(proxy) => proxy.handle(req, this.conn.peer).await,
+                None => this.destinations.handle(req, this.conn).await,
+            })
+        })
     }
 }
 
