@@ -3,23 +3,21 @@
 //! dependency's last background check). No probe does I/O to Redis or the store. It binds to
 //! loopback by default; there is deliberately no control endpoint.
 
-use std::net::SocketAddr;
+use std::convert::Infallible;
 use std::time::Duration;
 
 use crate::health::Health;
 
 use http::{Method, Request, Response, StatusCode};
-use hyper::body::Incoming;
 use serde_json::json;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::http::{error, full, json, Body};
 use crate::metrics::Metrics;
+use crate::server::Conn;
 
-/// Serves the admin endpoints. Probes (`/healthz`, `/readyz`) answer any caller the listener
-/// accepts, so a kubelet can reach them on the pod's address; `/metrics` answers loopback
-/// callers only, unless `public_metrics` (for a Prometheus scraping the pod from elsewhere).
+/// Serves the admin endpoints (see [`Admin`]) until `stop` fires.
 pub async fn serve(
     listener: TcpListener,
     metrics: Metrics,
@@ -27,22 +25,53 @@ pub async fn serve(
     public_metrics: bool,
     stop: CancellationToken,
 ) {
-    let handler = move |req: Request<Incoming>, peer: SocketAddr| {
-        let metrics = metrics.clone();
-        let health = health.clone();
-        async move {
-            if !serves(req.uri().path(), peer.ip(), public_metrics) {
-                return error(
-                    StatusCode::FORBIDDEN,
-                    "forbidden",
-                    "/metrics answers loopback callers only; start the proxy with --admin-public-metrics to allow others",
-                    None,
-                );
-            }
-            handle(req, &metrics, &health)
-        }
+    let admin = Admin {
+        metrics,
+        health,
+        public_metrics,
     };
-    crate::server::serve(listener, handler, stop, Duration::from_secs(1)).await;
+    crate::server::serve_with(listener, move |_| admin.clone(), false, stop, Duration::from_secs(1)).await;
+}
+
+/// The admin endpoints as a service. Probes (`/healthz`, `/readyz`) answer any caller the
+/// listener accepts, so a kubelet can reach them on the pod's address; `/metrics` answers
+/// loopback callers only (the request's [`Conn`] extension, put there by the server), unless
+/// `public_metrics` (for a Prometheus scraping the pod from elsewhere). Readiness is a latch
+/// read from [`Health`], never I/O per probe.
+#[derive(Clone)]
+pub struct Admin {
+    pub metrics: Metrics,
+    pub health: Health,
+    pub public_metrics: bool,
+}
+
+// === impl Admin ===
+
+impl<B> tower::Service<Request<B>> for Admin {
+    type Response = Response<Body>;
+    type Error = Infallible;
+    type Future = std::future::Ready<Result<Response<Body>, Infallible>>;
+
+    fn poll_ready(&mut self, _: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), Infallible>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<B>) -> Self::Future {
+        let peer = req.extensions().get::<Conn>().map(|c| c.peer.ip());
+        let allowed = peer.is_some_and(|ip| serves(req.uri().path(), ip, self.public_metrics))
+            || (peer.is_none() && req.uri().path() != "/metrics");
+        let res = if allowed {
+            handle(&req, &self.metrics, &self.health)
+        } else {
+            error(
+                StatusCode::FORBIDDEN,
+                "forbidden",
+                "/metrics answers loopback callers only; start the proxy with --admin-public-metrics to allow others",
+                None,
+            )
+        };
+        std::future::ready(Ok(res))
+    }
 }
 
 /// Whether `path` is served to a caller at `ip`: probes to anyone, metrics to loopback (or
@@ -51,7 +80,7 @@ pub fn serves(path: &str, ip: std::net::IpAddr, public_metrics: bool) -> bool {
     path != "/metrics" || public_metrics || ip.to_canonical().is_loopback()
 }
 
-fn handle(req: Request<Incoming>, metrics: &Metrics, health: &Health) -> Response<Body> {
+fn handle<B>(req: &Request<B>, metrics: &Metrics, health: &Health) -> Response<Body> {
     if req.method() != Method::GET && req.method() != Method::HEAD {
         return error(
             StatusCode::METHOD_NOT_ALLOWED,
@@ -96,7 +125,73 @@ fn handle(req: Request<Incoming>, metrics: &Metrics, health: &Health) -> Respons
 
 #[cfg(test)]
 mod tests {
-    use super::serves;
+    use http_body_util::{BodyExt, Empty};
+    use tower::ServiceExt;
+
+    use super::*;
+
+    fn admin(shutdown: &CancellationToken) -> Admin {
+        Admin {
+            metrics: Metrics::new(),
+            health: Health::new(true, shutdown.clone()),
+            public_metrics: false,
+        }
+    }
+
+    fn get(path: &str, peer: Option<&str>) -> Request<Empty<bytes::Bytes>> {
+        let mut req = Request::get(path).body(Empty::new()).unwrap_or_default();
+        if let Some(peer) = peer {
+            req.extensions_mut().insert(Conn {
+                peer: peer.parse().unwrap_or_else(|_| ([10, 0, 0, 1], 1).into()),
+                original_dst: None,
+            });
+        }
+        req
+    }
+
+    #[tokio::test]
+    async fn readiness_is_a_latch_that_shutdown_drops() {
+        let shutdown = CancellationToken::new();
+        let admin = admin(&shutdown);
+        let res = admin
+            .clone()
+            .oneshot(get("/readyz", None))
+            .await
+            .unwrap_or_else(|e| match e {});
+        assert_eq!(res.status(), StatusCode::OK);
+        shutdown.cancel();
+        let res = admin
+            .clone()
+            .oneshot(get("/readyz", None))
+            .await
+            .unwrap_or_else(|e| match e {});
+        assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+        let body = res
+            .into_body()
+            .collect()
+            .await
+            .map(|c| c.to_bytes())
+            .unwrap_or_default();
+        assert!(String::from_utf8_lossy(&body).contains("shutting down"));
+        let live = admin
+            .oneshot(get("/healthz", None))
+            .await
+            .unwrap_or_else(|e| match e {});
+        assert_eq!(live.status(), StatusCode::OK, "liveness must not follow readiness");
+    }
+
+    #[tokio::test]
+    async fn metrics_are_served_to_loopback_only_and_other_paths_are_404() {
+        let admin = admin(&CancellationToken::new());
+        let local = admin.clone().oneshot(get("/metrics", Some("127.0.0.1:5000"))).await;
+        assert_eq!(local.map(|r| r.status()).ok(), Some(StatusCode::OK));
+        let remote = admin.clone().oneshot(get("/metrics", Some("10.1.2.3:5000"))).await;
+        assert_eq!(remote.map(|r| r.status()).ok(), Some(StatusCode::FORBIDDEN));
+        let unknown = admin.clone().oneshot(get("/metrics", None)).await;
+        assert_eq!(unknown.map(|r| r.status()).ok(), Some(StatusCode::FORBIDDEN));
+        let missing = admin.oneshot(get("/nope", Some("127.0.0.1:5000"))).await;
+        assert_eq!(missing.map(|r| r.status()).ok(), Some(StatusCode::NOT_FOUND));
+    }
 
     #[test]
     fn metrics_answer_loopback_callers_unless_made_public_and_probes_answer_everyone() {

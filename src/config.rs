@@ -1,42 +1,12 @@
-//! Command-line and environment configuration. Every flag of `turnlock proxy` and
-//! `turnlock store` has an environment variable `TURNLOCK_<NAME>`; the defaults are here.
+//! The proxy's configuration (`turnlock proxy`): every flag has an environment variable
+//! `TURNLOCK_<NAME>`; the defaults and bounds are here, with the crate's configuration error.
+//! Each other subcommand's arguments live with its module.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::builder::BoolishValueParser;
-use clap::{Args, Parser, Subcommand};
-
-#[derive(Debug, Parser)]
-#[command(
-    name = "turnlock",
-    version,
-    about = "Serializes AI-agent session-context writes: a sidecar proxy with lock, fence and idempotency."
-)]
-pub struct Cli {
-    #[command(subcommand)]
-    pub command: Command,
-}
-
-#[derive(Debug, Subcommand)]
-pub enum Command {
-    /// Run the sidecar proxy between an agent and its context store.
-    Proxy(ProxyArgs),
-    /// Run the reference context store (a plain JSON document store with ETags).
-    Store(StoreArgs),
-    /// Show lost updates without the sidecar and none with it, in one process.
-    Demo(DemoArgs),
-    /// Check a running proxy's readiness (for container health checks); exits 0 when ready.
-    Health(HealthArgs),
-    /// The Kubernetes sidecar-injection webhook (and `inject certs` for local clusters).
-    Inject(crate::inject::InjectArgs),
-    /// Install the pod's nat rules that send the agent's store traffic into the sidecar.
-    InitIptables(crate::transparent::InitIptablesArgs),
-    /// Measure turnlock side by side with going straight to the store and with naive locks;
-    /// starts Redis, a store and proxies on loopback by itself.
-    Bench(BenchArgs),
-}
+use clap::Args;
 
 /// Longest `--session-ttl-secs`: ten years.
 const MAX_SESSION_TTL_SECS: u64 = 10 * 365 * 24 * 3600;
@@ -127,71 +97,6 @@ pub struct ProxyArgs {
     pub upstream_idle_timeout_ms: u64,
 }
 
-#[derive(Debug, Clone, Args)]
-pub struct StoreArgs {
-    #[arg(long, env = "TURNLOCK_LISTEN", default_value = "127.0.0.1:8080")]
-    pub listen: SocketAddr,
-    /// Keep documents in Redis instead of memory.
-    #[arg(long, env = "TURNLOCK_REDIS")]
-    pub redis: Option<String>,
-    #[arg(long, env = "TURNLOCK_KEY_PREFIX", default_value = "turnlock-store:")]
-    pub key_prefix: String,
-    #[arg(long, env = "TURNLOCK_MAX_BODY_BYTES", default_value_t = 8 * 1024 * 1024)]
-    pub max_body_bytes: usize,
-    /// Behave like a store without conditional writes: no ETag, If-Match ignored.
-    #[arg(long, env = "TURNLOCK_NO_ETAGS", value_parser = BoolishValueParser::new())]
-    pub no_etags: bool,
-    /// Refuse a write whose X-Fencing-Token is lower than one already stored for the document
-    /// (409 stale_fencing_token): the store-side check that stops a paused lock holder even
-    /// without conditional writes. Only with one shared Redis behind every proxy.
-    #[arg(long, env = "TURNLOCK_ENFORCE_FENCING", value_parser = BoolishValueParser::new())]
-    pub enforce_fencing: bool,
-    #[arg(long, env = "TURNLOCK_SHUTDOWN_GRACE_MS", default_value_t = 5_000)]
-    pub shutdown_grace_ms: u64,
-}
-
-#[derive(Debug, Clone, Args)]
-pub struct DemoArgs {
-    /// Simulated agent replicas writing at once.
-    #[arg(long, default_value_t = 8)]
-    pub replicas: usize,
-    /// Sessions they share.
-    #[arg(long, default_value_t = 4)]
-    pub sessions: usize,
-    /// Turns each replica writes per session.
-    #[arg(long, default_value_t = 25)]
-    pub writes: usize,
-}
-
-#[derive(Debug, Clone, Args)]
-pub struct HealthArgs {
-    /// The admin address to ask.
-    #[arg(long, env = "TURNLOCK_ADMIN", default_value = "127.0.0.1:9901")]
-    pub admin: SocketAddr,
-}
-
-#[derive(Debug, Clone, Args)]
-pub struct BenchArgs {
-    /// A short run (about a second per phase, fewer levels) for CI smoke checks.
-    #[arg(long)]
-    pub quick: bool,
-    /// Seconds each measured phase runs (default 3; 1 with --quick).
-    #[arg(long)]
-    pub phase_secs: Option<f64>,
-    /// Where the machine-readable result is written.
-    #[arg(long, default_value = "turnlock-bench.json")]
-    pub out: PathBuf,
-    /// The redis-server binary to start.
-    #[arg(long, env = "TURNLOCK_REDIS_SERVER", default_value = "redis-server")]
-    pub redis_server: String,
-    /// The wrk binary for the external pass-through figures (skipped when not installed).
-    #[arg(long, default_value = "wrk")]
-    pub wrk: String,
-    /// Run only these phases (comma-separated: resources, pass, write, hot); all by default.
-    #[arg(long, value_delimiter = ',')]
-    pub only: Vec<String>,
-}
-
 /// Longest lock lease accepted: a lease is renewed while held, so a longer one only delays
 /// recovery from a crashed holder.
 pub const MAX_LOCK_TTL_MS: u64 = 600_000;
@@ -206,6 +111,46 @@ pub const MAX_TIMEOUT_MS: u64 = 600_000;
 #[derive(Debug, thiserror::Error)]
 #[error("configuration error: {0}")]
 pub struct ConfigError(pub String);
+
+/// Exit code for bad configuration (EX_USAGE).
+pub const EXIT_USAGE: u8 = 64;
+/// Exit code when a backend could not be set up at start (EX_UNAVAILABLE).
+pub const EXIT_BACKEND: u8 = 69;
+/// Exit code when an address cannot be listened on (EX_OSERR): in use, or not this host's.
+pub const EXIT_BIND: u8 = 71;
+
+/// Why a server did not start; each kind has its own exit code ([`StartError::exit_code`]).
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The address cannot be listened on.
+    #[error("cannot listen on {what}{addr}: {source}")]
+    Bind {
+        /// What the address is for, when not the main one (`"admin address "`).
+        what: &'static str,
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    /// A backend (Redis) could not be set up.
+    #[error("backend unavailable: {0}")]
+    Backend(String),
+}
+
+impl StartError {
+    /// A bind failure for `addr`.
+    pub fn bind(addr: SocketAddr, source: std::io::Error) -> Self {
+        Self::Bind { what: "", addr, source }
+    }
+
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            Self::Config(_) => EXIT_USAGE,
+            Self::Backend(_) => EXIT_BACKEND,
+            Self::Bind { .. } => EXIT_BIND,
+        }
+    }
+}
 
 impl ProxyArgs {
     pub fn validate(&self) -> Result<(), ConfigError> {
@@ -298,20 +243,6 @@ impl ProxyArgs {
             max_document_bytes: 8 * 1024 * 1024,
             upstream_max_connections: 256,
             upstream_idle_timeout_ms: 30_000,
-        }
-    }
-}
-
-impl StoreArgs {
-    pub fn local() -> Self {
-        Self {
-            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
-            redis: None,
-            key_prefix: "turnlock-store:".into(),
-            max_body_bytes: 8 * 1024 * 1024,
-            no_etags: false,
-            enforce_fencing: false,
-            shutdown_grace_ms: 5_000,
         }
     }
 }

@@ -7,13 +7,29 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
+use clap::Args;
 use http::{Method, StatusCode};
 use serde_json::{json, Value};
 use tokio::sync::Mutex;
 use tokio::time::Instant;
 
 use crate::client::JsonClient;
-use crate::config::{DemoArgs, ProxyArgs, StoreArgs};
+use crate::config::ProxyArgs;
+use crate::store::StoreArgs;
+
+/// `turnlock demo`.
+#[derive(Debug, Clone, Args)]
+pub struct DemoArgs {
+    /// Simulated agent replicas writing at once.
+    #[arg(long, default_value_t = 8)]
+    pub replicas: usize,
+    /// Sessions they share.
+    #[arg(long, default_value_t = 4)]
+    pub sessions: usize,
+    /// Turns each replica writes per session.
+    #[arg(long, default_value_t = 25)]
+    pub writes: usize,
+}
 
 /// What one run measured.
 #[derive(Debug, Clone, serde::Serialize)]

@@ -3,25 +3,31 @@
 //!
 //! Map of the crate:
 //! - [`session`]: session ids, turns, the stale rule and the Redis keys (pure).
-//! - [`merge`]: how each kind of write changes a session document (pure).
+//! - [`merge`]: how each kind of write changes a session document (pure), one file per
+//!   operation.
 //! - [`routes`]: which requests are writes and how each is handled.
 //! - [`lock`]: the session lock (Redis or in-memory): grant, fencing token, renewal, release,
 //!   and the version fence for stores without ETags.
 //! - [`records`]: expiring records (idempotency results, version snapshots).
 //! - [`upstream`]: the HTTP client to the context store.
-//! - [`proxy`]: the agent-facing service: request parsing, the write pipeline with
-//!   coalescing, and pass-through forwarding.
+//! - [`proxy`]: the agent-facing service: request parsing, the write pipeline (idempotency,
+//!   coalescing queue, merge and forward commits), the error map, and pass-through forwarding.
 //! - [`admin`]: `/metrics`, `/healthz`, `/readyz`, `/status`.
 //! - [`health`]: dependency health checked in the background (probes never wait on it).
 //! - [`sidecar`]: assembling and running the proxy, with graceful shutdown.
-//! - [`transparent`]: `init-iptables` and forwarding to each connection's original
-//!   destination, for agents whose store URL cannot be changed.
+//! - [`server`]: the accept loop and tower stack every server runs on, its drain, and
+//!   accepting intercepted connections (original destination, raw TCP).
+//! - [`transparent`]: `init-iptables` and a proxy per original destination, for agents whose
+//!   store URL cannot be changed.
 //! - [`inject`]: the Kubernetes sidecar-injection webhook and its certificates.
 //! - [`store`]: the reference context store.
 //! - [`demo`]: lost updates without turnlock, none with it.
 //! - [`bench`]: turnlock measured side by side with the store alone and with naive locks.
-//! - [`config`], [`server`], [`http`], [`metrics`], [`redis_conn`], [`client`],
-//!   [`telemetry`]: the plumbing.
+//! - [`config`]: the proxy's flags, start errors and exit codes (each other subcommand's
+//!   arguments live with its module).
+//! - [`http`], [`metrics`], [`redis_conn`], [`client`], [`telemetry`]: the plumbing.
+//!
+//! Top-level modules use each other without a cycle (checked by a unit test).
 
 pub mod admin;
 pub mod bench;
@@ -45,3 +51,6 @@ pub mod store;
 pub mod telemetry;
 pub mod transparent;
 pub mod upstream;
+
+#[cfg(test)]
+mod layering;

@@ -1,13 +1,12 @@
 //! The `turnlock` binary: parse the command line, start the runtime, run one subcommand.
 
+use std::net::SocketAddr;
 use std::process::ExitCode;
 
-use clap::Parser;
+use clap::{Args, Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
-use turnlock::config::{Cli, Command, ConfigError};
+use turnlock::config::{ConfigError, StartError, EXIT_USAGE};
 
-/// Exit code for bad configuration (EX_USAGE).
-const EXIT_USAGE: u8 = 64;
 /// How long `turnlock health` waits for the admin server (the image HEALTHCHECK allows 3 s).
 const HEALTH_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
 /// Exit code of a proxy whose shutdown ran out of grace: writes were abandoned unanswered or
@@ -15,6 +14,43 @@ const HEALTH_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
 const EXIT_UNCLEAN: u8 = 70;
 /// Exit code after a second SIGTERM/SIGINT cut the shutdown short (128 + SIGINT).
 const EXIT_FORCED: i32 = 130;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "turnlock",
+    version,
+    about = "Serializes AI-agent session-context writes: a sidecar proxy with lock, fence and idempotency."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the sidecar proxy between an agent and its context store.
+    Proxy(turnlock::config::ProxyArgs),
+    /// Run the reference context store (a plain JSON document store with ETags).
+    Store(turnlock::store::StoreArgs),
+    /// Show lost updates without the sidecar and none with it, in one process.
+    Demo(turnlock::demo::DemoArgs),
+    /// Check a running proxy's readiness (for container health checks); exits 0 when ready.
+    Health(HealthArgs),
+    /// The Kubernetes sidecar-injection webhook (and `inject certs` for local clusters).
+    Inject(turnlock::inject::InjectArgs),
+    /// Install the pod's nat rules that send the agent's store traffic into the sidecar.
+    InitIptables(turnlock::transparent::InitIptablesArgs),
+    /// Measure turnlock side by side with going straight to the store and with naive locks;
+    /// starts Redis, a store and proxies on loopback by itself.
+    Bench(turnlock::bench::BenchArgs),
+}
+
+#[derive(Debug, Clone, Args)]
+struct HealthArgs {
+    /// The admin address to ask.
+    #[arg(long, env = "TURNLOCK_ADMIN", default_value = "127.0.0.1:9901")]
+    admin: SocketAddr,
+}
 
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
@@ -51,12 +87,12 @@ fn main() -> ExitCode {
         Ok(code) => code,
         Err(e) => {
             eprintln!("turnlock: {e}");
-            ExitCode::from(EXIT_USAGE)
+            ExitCode::from(e.exit_code())
         }
     }
 }
 
-async fn run(command: Command) -> Result<ExitCode, ConfigError> {
+async fn run(command: Command) -> Result<ExitCode, StartError> {
     match command {
         Command::Proxy(args) => {
             let running = turnlock::sidecar::start(args).await?;
@@ -91,7 +127,7 @@ async fn run(command: Command) -> Result<ExitCode, ConfigError> {
                     ExitCode::FAILURE
                 })
             }
-            Err(e) => Err(ConfigError(e.to_string())),
+            Err(e) => Err(ConfigError(e.to_string()).into()),
         },
         Command::Inject(args) => {
             let shutdown = CancellationToken::new();
@@ -99,7 +135,7 @@ async fn run(command: Command) -> Result<ExitCode, ConfigError> {
             turnlock::inject::run(args, shutdown).await?;
             Ok(ExitCode::SUCCESS)
         }
-        Command::InitIptables(args) => turnlock::transparent::run_init_iptables(args).await,
+        Command::InitIptables(args) => Ok(turnlock::transparent::run_init_iptables(args).await?),
         Command::Bench(args) => match turnlock::bench::run(args).await {
             Ok(report) => {
                 println!("{}", turnlock::bench::table(&report));

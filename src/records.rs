@@ -8,21 +8,12 @@ use bytes::Bytes;
 use dashmap::DashMap;
 use tokio::time::Instant;
 
+pub use crate::redis_conn::Entry;
 use crate::redis_conn::RedisConn;
 
 #[derive(Debug, thiserror::Error)]
 #[error("record store unavailable: {0}")]
 pub struct RecordError(String);
-
-/// One record to store: key, value, and how long it lives. With `expect`, the record is
-/// changed only while it still holds that value (compare-and-set); an empty `value` deletes it.
-#[derive(Clone, Debug)]
-pub struct Entry {
-    pub key: String,
-    pub value: Bytes,
-    pub ttl: Duration,
-    pub expect: Option<Bytes>,
-}
 
 /// Compare-and-set (or compare-and-delete, with an empty value) of one record.
 const CAS: &str = r"

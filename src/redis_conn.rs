@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
 use redis::aio::MultiplexedConnection;
 use redis::sentinel::{SentinelClient, SentinelNodeConnectionInfo, SentinelServerType};
 use redis::{AsyncConnectionConfig, Client, RedisConnectionInfo, RedisError};
@@ -405,6 +406,16 @@ fn redact(url: &str) -> String {
         shown.push_str(&pairs.join("&"));
     }
     shown
+}
+
+/// One key to write (a record stored with a lock's release, or on its own): key, value, and how long it lives. With `expect`, the record is
+/// changed only while it still holds that value (compare-and-set); an empty `value` deletes it.
+#[derive(Clone, Debug)]
+pub struct Entry {
+    pub key: String,
+    pub value: Bytes,
+    pub ttl: Duration,
+    pub expect: Option<Bytes>,
 }
 
 #[cfg(test)]

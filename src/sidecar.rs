@@ -9,17 +9,18 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::admin;
-use crate::config::{ConfigError, ProxyArgs};
+use crate::config::{ConfigError, ProxyArgs, StartError};
 use crate::health::Health;
 use crate::lock::{LockSettings, Locks, MemoryLocks, RedisLocks};
 use crate::metrics::Metrics;
-use crate::proxy::{Pipeline, PipelineSettings, Proxy};
+use crate::proxy::{PipelineSettings, ProxyFactory};
 use crate::records::Records;
+use crate::redis_conn::ConnError;
 use crate::redis_conn::RedisConn;
 use crate::routes::Routes;
 use crate::session::Keys;
 use crate::transparent::Destinations;
-use crate::upstream::{PoolSettings, Upstream};
+use crate::upstream::PoolSettings;
 
 /// A running sidecar: the agent-facing server, and what tests and the admin side look at.
 pub struct Running {
@@ -50,7 +51,7 @@ impl Running {
 }
 
 /// Builds everything from the configuration and starts serving.
-pub async fn start(args: ProxyArgs) -> Result<Running, ConfigError> {
+pub async fn start(args: ProxyArgs) -> Result<Running, StartError> {
     args.validate()?;
     let metrics = Metrics::new();
     let keys = Keys::new(args.key_prefix.clone());
@@ -61,15 +62,14 @@ pub async fn start(args: ProxyArgs) -> Result<Running, ConfigError> {
     );
     let (locks, records) = match &args.redis {
         Some(url) => {
-            let conn = RedisConn::open(url, Duration::from_millis(args.redis_timeout_ms))
-                .map_err(|e| ConfigError(e.to_string()))?;
+            let conn = RedisConn::open(url, Duration::from_millis(args.redis_timeout_ms)).map_err(conn_error)?;
             conn.count_errors(metrics.clone());
             tracing::info!(redis = conn.display(), "locks, fences and idempotency records in Redis");
             let mut locks = RedisLocks::new(conn.clone(), keys.clone(), settings, metrics.clone());
             if args.redis_wait_replicas > 0 {
                 let wait = Duration::from_millis(args.redis_wait_timeout_ms);
-                let wait_conn = RedisConn::open(url, Duration::from_millis(args.redis_timeout_ms) + wait)
-                    .map_err(|e| ConfigError(e.to_string()))?;
+                let wait_conn =
+                    RedisConn::open(url, Duration::from_millis(args.redis_timeout_ms) + wait).map_err(conn_error)?;
                 locks = locks.with_replica_wait(wait_conn, args.redis_wait_replicas, wait);
             }
             (Locks::Redis(locks.into()), Records::Redis(conn))
@@ -118,10 +118,12 @@ pub async fn start(args: ProxyArgs) -> Result<Running, ConfigError> {
 
     let listener = TcpListener::bind(args.listen)
         .await
-        .map_err(|e| ConfigError(format!("cannot listen on {}: {e}", args.listen)))?;
-    let admin_listener = TcpListener::bind(args.admin)
-        .await
-        .map_err(|e| ConfigError(format!("cannot listen on admin address {}: {e}", args.admin)))?;
+        .map_err(|e| StartError::bind(args.listen, e))?;
+    let admin_listener = TcpListener::bind(args.admin).await.map_err(|source| StartError::Bind {
+        what: "admin address ",
+        addr: args.admin,
+        source,
+    })?;
     let addr = listener.local_addr().map_err(|e| ConfigError(e.to_string()))?;
     let admin_addr = admin_listener.local_addr().map_err(|e| ConfigError(e.to_string()))?;
 
@@ -152,14 +154,11 @@ pub async fn start(args: ProxyArgs) -> Result<Running, ConfigError> {
         let locks = locks.clone();
         let outcome = outcome.clone();
         tokio::spawn(async move {
-            let handler = {
+            let make = {
                 let destinations = destinations.clone();
-                move |req, conn| {
-                    let destinations = destinations.clone();
-                    async move { destinations.handle(req, conn).await }
-                }
+                move |conn| destinations.for_connection(conn)
             };
-            let serving = crate::server::serve_with(listener, handler, transparent, shutdown.clone(), grace);
+            let serving = crate::server::serve_with(listener, make, transparent, shutdown.clone(), grace);
             let began = async {
                 shutdown.cancelled().await;
                 (Instant::now(), locks.release_failures())
@@ -189,6 +188,15 @@ pub async fn start(args: ProxyArgs) -> Result<Running, ConfigError> {
         serving: crate::server::Serving::new(addr, shutdown, task),
         outcome,
     })
+}
+
+/// A Redis URL that does not parse is bad configuration; any other failure to set the
+/// connection up is the backend's.
+fn conn_error(e: ConnError) -> StartError {
+    match e {
+        ConnError::InvalidUrl { .. } => StartError::Config(ConfigError(e.to_string())),
+        ConnError::Redis(_) => StartError::Backend(e.to_string()),
+    }
 }
 
 /// How long the shutdown may spend giving back locks after the grace, when writes ran to it.
@@ -251,51 +259,4 @@ fn spawn_sweeper(locks: std::sync::Arc<MemoryLocks>, records: Records) {
             records.sweep();
         }
     });
-}
-
-/// Builds a proxy (with its own write pipeline) for one store; the lock backend, records and
-/// metrics are shared, so writers of one session are serialized whichever store they address.
-pub(crate) struct ProxyFactory {
-    routes: Routes,
-    locks: Locks,
-    records: Records,
-    keys: Keys,
-    metrics: Metrics,
-    settings: PipelineSettings,
-    upstream_timeout: Duration,
-    pool: PoolSettings,
-    max_body: crate::proxy::Limits,
-}
-
-impl ProxyFactory {
-    pub(crate) fn upstream(&self, url: &str) -> Result<Upstream, String> {
-        Upstream::with_pool(url, self.upstream_timeout, self.pool, self.metrics.clone())
-    }
-
-    pub(crate) fn proxy(&self, upstream: Upstream) -> Proxy {
-        self.proxy_with_keys(upstream, self.keys.clone())
-    }
-
-    /// The proxy for one of several stores (transparent mode): its documents' keys are its own.
-    pub(crate) fn proxy_for_store(&self, upstream: Upstream, store: &str) -> Proxy {
-        self.proxy_with_keys(upstream, self.keys.for_store(store))
-    }
-
-    fn proxy_with_keys(&self, upstream: Upstream, keys: Keys) -> Proxy {
-        let pipeline = Pipeline::new(
-            self.locks.clone(),
-            self.records.clone(),
-            upstream.clone(),
-            keys,
-            self.metrics.clone(),
-            self.settings.clone(),
-        );
-        Proxy::new(
-            self.routes.clone(),
-            upstream,
-            pipeline,
-            self.metrics.clone(),
-            self.max_body,
-        )
-    }
 }

@@ -37,8 +37,13 @@ const MAX_DOCUMENT_BYTES: usize = 64 * 1024 * 1024;
 pub enum UpstreamError {
     #[error("the context store did not answer within {0:?}")]
     Timeout(Duration),
+    /// The connection to the store failed after the request may have been sent.
     #[error("the context store is unreachable: {0}")]
     Unreachable(String),
+    /// The request never left: no connection to the store could be made, or no request could
+    /// be built. Nothing was written.
+    #[error("the context store could not be reached: {0}")]
+    NotSent(String),
     #[error("the context store refused the conditional write (412)")]
     PreconditionFailed,
     #[error("the context store refused the write: a newer lock grant already wrote this session")]
@@ -50,6 +55,15 @@ pub enum UpstreamError {
 }
 
 impl UpstreamError {
+    /// A client failure: `NotSent` when no connection could be made, else `Unreachable`.
+    fn from_client(e: &hyper_util::client::legacy::Error) -> Self {
+        if e.is_connect() {
+            Self::NotSent(error_chain(e))
+        } else {
+            Self::Unreachable(error_chain(e))
+        }
+    }
+
     /// Whether the write may have landed even though no confirmation came back.
     pub fn outcome_unknown(&self) -> bool {
         matches!(self, Self::Timeout(_) | Self::Unreachable(_))
@@ -66,7 +80,7 @@ impl UpstreamError {
     pub fn code(&self) -> &'static str {
         match self {
             Self::Timeout(_) => "upstream_timeout",
-            Self::Unreachable(_) => "upstream_unavailable",
+            Self::Unreachable(_) | Self::NotSent(_) => "upstream_unavailable",
             Self::PreconditionFailed => "upstream_conflict",
             Self::FencedOut => "fenced_out",
             Self::Status { .. } => "upstream_error",
@@ -227,10 +241,10 @@ impl Upstream {
         };
         let started = Instant::now();
         match self.send(req).await {
-            Err(UpstreamError::Unreachable(first)) => {
+            Err(first @ (UpstreamError::Unreachable(_) | UpstreamError::NotSent(_))) => {
                 let left = self.timeout.saturating_sub(started.elapsed());
                 if left.is_zero() {
-                    return Err(UpstreamError::Unreachable(first));
+                    return Err(first);
                 }
                 tracing::debug!(error = %first, "store connection failed before an answer; retrying on a fresh one");
                 self.metrics.upstream_retry();
@@ -270,7 +284,7 @@ impl Upstream {
     ) -> Result<Response<Incoming>, UpstreamError> {
         match tokio::time::timeout(timeout, client.request(req)).await {
             Err(_) => Err(UpstreamError::Timeout(timeout)),
-            Ok(Err(e)) => Err(UpstreamError::Unreachable(error_chain(&e))),
+            Ok(Err(e)) => Err(UpstreamError::from_client(&e)),
             Ok(Ok(res)) => Ok(res),
         }
     }
@@ -289,14 +303,14 @@ impl Upstream {
         let res = self.client.request(req);
         tokio::pin!(res);
         tokio::select! {
-            r = &mut res => return r.map_err(|e| UpstreamError::Unreachable(error_chain(&e))),
+            r = &mut res => return r.map_err(|e| UpstreamError::from_client(&e)),
             sent = body_sent => if !sent {
                 return Err(UpstreamError::Timeout(self.timeout));
             }
         }
         match tokio::time::timeout(self.timeout, res).await {
             Err(_) => Err(UpstreamError::Timeout(self.timeout)),
-            Ok(Err(e)) => Err(UpstreamError::Unreachable(error_chain(&e))),
+            Ok(Err(e)) => Err(UpstreamError::from_client(&e)),
             Ok(Ok(res)) => Ok(res),
         }
     }
@@ -306,10 +320,10 @@ impl Upstream {
         let started = Instant::now();
         let req = Request::builder()
             .method(Method::GET)
-            .uri(self.uri(path).map_err(|e| UpstreamError::Unreachable(e.to_string()))?)
+            .uri(self.uri(path).map_err(|e| UpstreamError::NotSent(e.to_string()))?)
             .header(header::ACCEPT, "application/json")
             .body(crate::http::empty())
-            .map_err(|e| UpstreamError::Unreachable(e.to_string()))?;
+            .map_err(|e| UpstreamError::NotSent(e.to_string()))?;
         let res = self.send_safe(req).await;
         self.answered("get", &res);
         let result = match res {
@@ -355,7 +369,7 @@ impl Upstream {
         let started = Instant::now();
         let mut req = Request::builder()
             .method(Method::PUT)
-            .uri(self.uri(path).map_err(|e| UpstreamError::Unreachable(e.to_string()))?)
+            .uri(self.uri(path).map_err(|e| UpstreamError::NotSent(e.to_string()))?)
             .header(header::CONTENT_TYPE, "application/json")
             .header(FENCING_TOKEN, fence);
         req = match precondition {
@@ -363,9 +377,7 @@ impl Upstream {
             Precondition::Absent => req.header(header::IF_NONE_MATCH, "*"),
             Precondition::None => req,
         };
-        let req = req
-            .body(full(doc))
-            .map_err(|e| UpstreamError::Unreachable(e.to_string()))?;
+        let req = req.body(full(doc)).map_err(|e| UpstreamError::NotSent(e.to_string()))?;
         let res = self.send(req).await;
         self.answered("put", &res);
         let result = match res {
@@ -455,4 +467,25 @@ fn error_chain(e: &dyn std::error::Error) -> String {
         cur = inner.source();
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A store port nobody listens on: the write never left, so its outcome is known.
+    #[tokio::test]
+    async fn a_refused_connection_is_not_an_unknown_outcome() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        drop(listener);
+        let upstream = Upstream::new(&format!("http://{addr}"), Duration::from_secs(2), Metrics::new()).expect("url");
+        let err = upstream
+            .put_document("/v1/sessions/s", Bytes::from_static(b"{}"), &Precondition::Absent, 1)
+            .await
+            .expect_err("nothing listens");
+        assert!(matches!(err, UpstreamError::NotSent(_)), "{err:?}");
+        assert!(!err.outcome_unknown());
+        assert_eq!(err.code(), "upstream_unavailable");
+    }
 }

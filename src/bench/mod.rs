@@ -20,11 +20,34 @@ pub use self::procs::Machine;
 pub use self::wrk::WrkRun;
 
 use std::fmt::Write as _;
+use std::path::PathBuf;
 use std::time::Duration;
 
+use clap::Args;
 use serde::Serialize;
 
-use crate::config::BenchArgs;
+/// `turnlock bench`.
+#[derive(Debug, Clone, Args)]
+pub struct BenchArgs {
+    /// A short run (about a second per phase, fewer levels) for CI smoke checks.
+    #[arg(long)]
+    pub quick: bool,
+    /// Seconds each measured phase runs (default 3; 1 with --quick).
+    #[arg(long)]
+    pub phase_secs: Option<f64>,
+    /// Where the machine-readable result is written.
+    #[arg(long, default_value = "turnlock-bench.json")]
+    pub out: PathBuf,
+    /// The redis-server binary to start.
+    #[arg(long, env = "TURNLOCK_REDIS_SERVER", default_value = "redis-server")]
+    pub redis_server: String,
+    /// The wrk binary for the external pass-through figures (skipped when not installed).
+    #[arg(long, default_value = "wrk")]
+    pub wrk: String,
+    /// Run only these phases (comma-separated: resources, pass, write, hot); all by default.
+    #[arg(long, value_delimiter = ',')]
+    pub only: Vec<String>,
+}
 
 /// The phases a run can be limited to with `--only`.
 const PHASES: [&str; 4] = ["resources", "pass", "write", "hot"];

@@ -134,9 +134,9 @@ impl WebhookArgs {
 pub async fn run(
     args: InjectArgs,
     shutdown: tokio_util::sync::CancellationToken,
-) -> Result<(), crate::config::ConfigError> {
+) -> Result<(), crate::config::StartError> {
     match args.command {
-        Some(InjectCommand::Certs(c)) => certs::run(&c),
+        Some(InjectCommand::Certs(c)) => Ok(certs::run(&c)?),
         None => {
             let running = server::start(args.webhook).await?;
             let token = running.shutdown_token();

@@ -29,7 +29,7 @@ use tokio_util::sync::CancellationToken;
 use super::pod::Scope;
 use super::review;
 use super::WebhookArgs;
-use crate::config::ConfigError;
+use crate::config::{ConfigError, StartError};
 use crate::http::{error, json, Body};
 
 /// Largest AdmissionReview accepted (the API server caps objects at 3 MiB; a review holds the
@@ -61,7 +61,7 @@ impl Running {
 }
 
 /// Loads the certificate and starts serving.
-pub async fn start(args: WebhookArgs) -> Result<Running, ConfigError> {
+pub async fn start(args: WebhookArgs) -> Result<Running, StartError> {
     let certs = Arc::new(Certs::load(args.tls_cert.clone(), args.tls_key.clone()).map_err(ConfigError)?);
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let mut tls = rustls::ServerConfig::builder_with_provider(provider)
@@ -73,7 +73,7 @@ pub async fn start(args: WebhookArgs) -> Result<Running, ConfigError> {
     let acceptor = TlsAcceptor::from(Arc::new(tls));
     let listener = TcpListener::bind(args.listen)
         .await
-        .map_err(|e| ConfigError(format!("cannot listen on {}: {e}", args.listen)))?;
+        .map_err(|e| StartError::bind(args.listen, e))?;
     let addr = listener.local_addr().map_err(|e| ConfigError(e.to_string()))?;
     let shutdown = CancellationToken::new();
     let every = Duration::from_secs(args.tls_reload_secs.max(1));

@@ -20,7 +20,7 @@ use dashmap::DashMap;
 use tokio::time::Instant;
 
 use crate::metrics::Metrics;
-use crate::records::Entry;
+use crate::redis_conn::Entry;
 use crate::session::Scope;
 
 /// Shortest and longest pause between two attempts when no release wakes the waiter.

@@ -14,7 +14,7 @@ use tokio::sync::{mpsc, Notify};
 
 use super::{Attempt, LockError, LockSettings, Settled, Slot, Wake};
 use crate::metrics::Metrics;
-use crate::records::Entry;
+use crate::redis_conn::Entry;
 use crate::redis_conn::RedisConn;
 use crate::session::{Keys, Scope};
 

@@ -1,11 +1,29 @@
 //! The agent-facing proxy: configured writes go through the write pipeline, everything else
 //! is forwarded to the store unchanged.
+//!
+//! What a request meets, in order:
+//!
+//! 1. `server::Connection` (a tower layer per connection): the connection's `Conn` (peer,
+//!    original destination) into the request's extensions; on the way out, `Connection:
+//!    close` once shutdown began. hyper serves the stack through `TowerToHyperService`.
+//! 2. `transparent::ConnService` (the routing service): the proxy of the connection's store,
+//!    chosen once per connection (per request only for intercepted connections, whose
+//!    requests name their store by `Host`).
+//! 3. [`Proxy::handle`]: the route match; not a write → `passthrough` (streaming forward).
+//! 4. `request`: body limits and timeout, JSON, turn, session id → a `WriteRequest`.
+//! 5. `pipeline`: idempotency claim → coalescing queue → lock → merge or forward commit →
+//!    records with the release.
+//! 6. `error`: every refusal or failure of a write made an answer in one place.
 
 mod answer;
+mod error;
+mod factory;
 mod passthrough;
 mod pipeline;
 mod request;
 
+pub use self::error::WriteError;
+pub use self::factory::ProxyFactory;
 pub use self::pipeline::{Pipeline, Settings as PipelineSettings};
 pub use self::request::{Limits, BODY_READ_TIMEOUT, CONTEXT_REPLACE, IDEMPOTENCY_KEY, SESSION_TURN};
 

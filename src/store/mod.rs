@@ -9,9 +9,12 @@ mod backend;
 
 pub use self::backend::Backend;
 
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use bytes::Bytes;
+use clap::builder::BoolishValueParser;
+use clap::Args;
 use http::header::{self, HeaderValue};
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
@@ -20,12 +23,50 @@ use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::{ConfigError, StoreArgs};
+use crate::config::{ConfigError, StartError};
 use crate::http::{error, etag_for, full, version_from_etag, Body};
 
 /// Path prefix of the session documents.
 pub const SESSIONS: &str = "/v1/sessions/";
 const MAX_ID_LEN: usize = 256;
+
+/// `turnlock store`: every flag has an environment variable `TURNLOCK_<NAME>`.
+#[derive(Debug, Clone, Args)]
+pub struct StoreArgs {
+    #[arg(long, env = "TURNLOCK_LISTEN", default_value = "127.0.0.1:8080")]
+    pub listen: SocketAddr,
+    /// Keep documents in Redis instead of memory.
+    #[arg(long, env = "TURNLOCK_REDIS")]
+    pub redis: Option<String>,
+    #[arg(long, env = "TURNLOCK_KEY_PREFIX", default_value = "turnlock-store:")]
+    pub key_prefix: String,
+    #[arg(long, env = "TURNLOCK_MAX_BODY_BYTES", default_value_t = 8 * 1024 * 1024)]
+    pub max_body_bytes: usize,
+    /// Behave like a store without conditional writes: no ETag, If-Match ignored.
+    #[arg(long, env = "TURNLOCK_NO_ETAGS", value_parser = BoolishValueParser::new())]
+    pub no_etags: bool,
+    /// Refuse a write whose X-Fencing-Token is lower than one already stored for the document
+    /// (409 stale_fencing_token): the store-side check that stops a paused lock holder even
+    /// without conditional writes. Only with one shared Redis behind every proxy.
+    #[arg(long, env = "TURNLOCK_ENFORCE_FENCING", value_parser = BoolishValueParser::new())]
+    pub enforce_fencing: bool,
+    #[arg(long, env = "TURNLOCK_SHUTDOWN_GRACE_MS", default_value_t = 5_000)]
+    pub shutdown_grace_ms: u64,
+}
+
+impl StoreArgs {
+    pub fn local() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            redis: None,
+            key_prefix: "turnlock-store:".into(),
+            max_body_bytes: 8 * 1024 * 1024,
+            no_etags: false,
+            enforce_fencing: false,
+            shutdown_grace_ms: 5_000,
+        }
+    }
+}
 
 #[derive(Clone)]
 pub struct Store {
@@ -62,7 +103,7 @@ pub enum PutOutcome {
 /// A running store.
 pub type RunningStore = crate::server::Serving;
 
-pub async fn start(args: StoreArgs) -> Result<RunningStore, ConfigError> {
+pub async fn start(args: StoreArgs) -> Result<RunningStore, StartError> {
     let backend = match &args.redis {
         Some(url) => Backend::redis(url, &args.key_prefix).map_err(|e| ConfigError(e.to_string()))?,
         None => Backend::memory(),
@@ -75,7 +116,7 @@ pub async fn start(args: StoreArgs) -> Result<RunningStore, ConfigError> {
     };
     let listener = TcpListener::bind(args.listen)
         .await
-        .map_err(|e| ConfigError(format!("cannot listen on {}: {e}", args.listen)))?;
+        .map_err(|e| StartError::bind(args.listen, e))?;
     let addr = listener.local_addr().map_err(|e| ConfigError(e.to_string()))?;
     let shutdown = CancellationToken::new();
     let grace = Duration::from_millis(args.shutdown_grace_ms);

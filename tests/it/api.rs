@@ -861,7 +861,7 @@ async fn coalesced_writes_report_the_version_the_store_holds() {
 async fn a_store_enforcing_fencing_tokens_refuses_the_late_write_of_a_lost_grant() {
     for enforce in [true, false] {
         let redis = RedisServer::start();
-        let mut store_args = turnlock::config::StoreArgs::local();
+        let mut store_args = turnlock::store::StoreArgs::local();
         store_args.no_etags = true;
         store_args.enforce_fencing = enforce;
         let store = turnlock::store::start(store_args).await.expect("store");
@@ -902,7 +902,7 @@ async fn a_store_enforcing_fencing_tokens_refuses_the_late_write_of_a_lost_grant
 
 #[tokio::test]
 async fn the_reference_store_enforces_fencing_tokens_when_asked() {
-    let mut args = turnlock::config::StoreArgs::local();
+    let mut args = turnlock::store::StoreArgs::local();
     args.enforce_fencing = true;
     let store = turnlock::store::start(args).await.expect("store");
     let c = client(store.addr);

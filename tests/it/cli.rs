@@ -7,7 +7,7 @@ use crate::support::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn demo_loses_updates_straight_to_the_store_and_none_through_turnlock() {
-    let reports = turnlock::demo::run(turnlock::config::DemoArgs {
+    let reports = turnlock::demo::run(turnlock::demo::DemoArgs {
         replicas: 8,
         sessions: 4,
         writes: 25,
@@ -46,7 +46,7 @@ fn bad_configuration_exits_64_with_a_clear_message() {
         .args(["proxy", "--listen", &addr])
         .output()
         .expect("run turnlock");
-    assert_eq!(out.status.code(), Some(64));
+    assert_eq!(out.status.code(), Some(turnlock::config::EXIT_BIND.into()));
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot listen"));
 }
 

@@ -532,7 +532,7 @@ async fn a_forged_fencing_token_never_reaches_the_store() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fencing_tokens_keep_growing_across_a_redis_restart() {
     let mut redis = RedisServer::start();
-    let mut store_args = turnlock::config::StoreArgs::local();
+    let mut store_args = turnlock::store::StoreArgs::local();
     store_args.enforce_fencing = true;
     let store = turnlock::store::start(store_args).await.expect("store");
     let p = proxy(proxy_args(store.addr, Some(&redis))).await;

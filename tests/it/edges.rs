@@ -737,7 +737,7 @@ async fn a_document_the_proxy_served_can_be_put_back_and_too_large_is_a_clear_41
 
 #[tokio::test]
 async fn a_store_refusing_a_document_as_too_large_is_a_413_not_a_502() {
-    let mut store_args = turnlock::config::StoreArgs::local();
+    let mut store_args = turnlock::store::StoreArgs::local();
     store_args.max_body_bytes = 64 * 1024;
     let s = turnlock::store::start(store_args).await.expect("store");
     let proxy = proxy(proxy_args(s.addr, None)).await;

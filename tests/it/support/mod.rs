@@ -18,7 +18,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use turnlock::client::{JsonClient, Reply};
-use turnlock::config::{ProxyArgs, StoreArgs};
+use turnlock::config::ProxyArgs;
+use turnlock::store::StoreArgs;
 
 /// A free TCP port on loopback.
 pub fn free_port() -> u16 {

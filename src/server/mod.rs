@@ -11,10 +11,17 @@ use std::time::Duration;
 use http::{Request, Response};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
+use std::convert::Infallible;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
+use tower::{Service, ServiceBuilder};
 
 use crate::http::Body;
+
+mod intercept;
+
+pub use self::intercept::{is_own, original_dst, speaks_http, splice, SNIFF_WAIT};
 
 /// How long a client may take to send a request head (slow clients are cut off).
 pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
@@ -40,21 +47,34 @@ where
     H: Fn(Request<Incoming>, SocketAddr) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Response<Body>> + Send + 'static,
 {
-    let handler = move |req, conn: Conn| handler(req, conn.peer);
-    serve_with(listener, handler, false, shutdown, grace).await
+    let make = move |conn: Conn| {
+        let handler = handler.clone();
+        tower::service_fn(move |req| {
+            let answer = handler(req, conn.peer);
+            async move { Ok::<_, Infallible>(answer.await) }
+        })
+    };
+    serve_with(listener, make, false, shutdown, grace).await
 }
 
-/// Like [`serve`], with the connection's details; `original_dst` says whether to look up each
-/// accepted connection's original destination (transparent interception).
-pub async fn serve_with<H, F>(
+/// Like [`serve`], with a `tower::Service` made once per connection by `make` (told the
+/// connection's details); `original_dst` says whether to look up each accepted connection's
+/// original destination (transparent interception). Each request carries its connection's
+/// [`Conn`] as an extension.
+///
+/// Layers around the service, in the order a request meets them: the connection's [`Conn`]
+/// put into the request's extensions; `Connection: close` put on the answer once shutdown
+/// began (the drain).
+pub async fn serve_with<M, S>(
     listener: TcpListener,
-    handler: H,
+    make: M,
     original_dst: bool,
     shutdown: CancellationToken,
     grace: Duration,
 ) where
-    H: Fn(Request<Incoming>, Conn) -> F + Clone + Send + Sync + 'static,
-    F: Future<Output = Response<Body>> + Send + 'static,
+    M: Fn(Conn) -> S + Send + 'static,
+    S: Service<Request<Incoming>, Response = Response<Body>, Error = Infallible> + Clone + Send + 'static,
+    S::Future: Send + 'static,
 {
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder
@@ -78,35 +98,27 @@ pub async fn serve_with<H, F>(
         let conn = Conn {
             peer,
             original_dst: if original_dst {
-                crate::transparent::original_dst(&stream)
+                self::intercept::original_dst(&stream)
             } else {
                 None
             },
         };
-        let handler = handler.clone();
         let draining = shutdown.clone();
-        let service = hyper::service::service_fn(move |req| {
-            let handler = handler.clone();
-            let draining = draining.clone();
-            async move {
-                let mut res = handler(req, conn).await;
-                if draining.is_cancelled() {
-                    close_after(&mut res);
-                }
-                Ok::<_, std::convert::Infallible>(res)
-            }
-        });
+        let stack = ServiceBuilder::new()
+            .layer(ConnectionLayer { conn, draining })
+            .service(make(conn));
+        let service = TowerToHyperService::new(stack);
         let builder = builder.clone();
         let (graceful, hard) = (graceful.clone(), hard_stop.clone());
         let intercepted = conn
             .original_dst
-            .filter(|dst| !own.is_some_and(|own| crate::transparent::is_own(*dst, own)));
+            .filter(|dst| !own.is_some_and(|own| self::intercept::is_own(*dst, own)));
         connections.spawn(async move {
             // Transparent mode: what is not HTTP goes to its destination as raw TCP.
             if let Some(dst) = intercepted {
-                if !crate::transparent::speaks_http(&stream).await {
+                if !self::intercept::speaks_http(&stream).await {
                     tokio::select! {
-                        _ = crate::transparent::splice(stream, peer, dst) => {}
+                        _ = self::intercept::splice(stream, peer, dst) => {}
                         _ = hard.cancelled() => {}
                     }
                     return;
@@ -143,6 +155,64 @@ pub async fn serve_with<H, F>(
         tracing::warn!(?grace, "connections still open after the grace period: closing them");
     }
     hard_stop.cancel();
+}
+
+/// Puts the connection's [`Conn`] into each request's extensions, and `Connection: close` on
+/// each answer once shutdown began.
+#[derive(Clone)]
+struct ConnectionLayer {
+    conn: Conn,
+    draining: CancellationToken,
+}
+
+#[derive(Clone)]
+struct Connection<S> {
+    inner: S,
+    conn: Conn,
+    draining: CancellationToken,
+}
+
+// === impl ConnectionLayer ===
+
+impl<S> tower::Layer<S> for ConnectionLayer {
+    type Service = Connection<S>;
+
+    fn layer(&self, inner: S) -> Connection<S> {
+        Connection {
+            inner,
+            conn: self.conn,
+            draining: self.draining.clone(),
+        }
+    }
+}
+
+// === impl Connection ===
+
+impl<S, B> Service<Request<B>> for Connection<S>
+where
+    S: Service<Request<B>, Response = Response<Body>, Error = Infallible>,
+    S::Future: Send + 'static,
+{
+    type Response = Response<Body>;
+    type Error = Infallible;
+    type Future = futures_util::future::BoxFuture<'static, Result<Response<Body>, Infallible>>;
+
+    fn poll_ready(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), Infallible>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut req: Request<B>) -> Self::Future {
+        req.extensions_mut().insert(self.conn);
+        let answer = self.inner.call(req);
+        let draining = self.draining.clone();
+        Box::pin(async move {
+            let mut res = answer.await?;
+            if draining.is_cancelled() {
+                close_after(&mut res);
+            }
+            Ok(res)
+        })
+    }
 }
 
 /// How long open connections keep being served (each answer closing its connection) after

@@ -1,0 +1,216 @@
+//! The error map: why a write was not committed, as one typed value, and the one place that
+//! decides the status, error code, extra fields and `Retry-After` of each answer.
+//!
+//! A store failure keeps telling "nothing was sent" from "the outcome is unknown"
+//! ([`UpstreamError::outcome_unknown`]): only the second may have been applied, and only it
+//! says so to the client.
+
+use std::time::Duration;
+
+use http::header::{self, HeaderValue};
+use http::StatusCode;
+use serde_json::json;
+
+use super::answer::Answer;
+use crate::merge::{self, MergeError};
+use crate::upstream::UpstreamError;
+
+/// Why a write was not committed.
+#[derive(Debug, thiserror::Error)]
+pub enum WriteError {
+    /// The session's lock was not obtained within the budget.
+    #[error("the session's lock was not obtained within {} ms", .0.as_millis())]
+    SessionBusy(Duration),
+    /// Redis left the lock's commands unanswered for the whole budget.
+    #[error("the lock backend did not answer within {} ms", .0.as_millis())]
+    LockStalled(Duration),
+    /// The lock or record backend failed (the message says how).
+    #[error("{0}")]
+    LockUnavailable(String),
+    /// The lease ran out before the write-back: nothing was written.
+    #[error("the lock's lease was lost before the write; nothing was written")]
+    LeaseLost,
+    /// Writers of other turns kept moving the document past every re-read.
+    #[error("a concurrent write of another turn kept moving the session; retry")]
+    KeptMoving,
+    /// Another turn's write of the document was still in flight after half a lease.
+    #[error("a write of another turn to this document is in flight; retry")]
+    CommitInFlight,
+    /// The merge rules refused the write.
+    #[error(transparent)]
+    Refused(#[from] MergeError),
+    /// The document the write would produce is over `--max-document-bytes`.
+    #[error("the document would be {size} bytes, over the limit of {limit} bytes; nothing was written")]
+    DocumentTooLarge { size: usize, limit: usize },
+    /// The store failed or refused.
+    #[error(transparent)]
+    Upstream(#[from] UpstreamError),
+    /// The route's path does not make a URI on the store.
+    #[error("{0}")]
+    InvalidPath(String),
+    /// The idempotency record under the key could not be read.
+    #[error("the idempotency record could not be read")]
+    RecordUnreadable,
+    /// The idempotency key was used for a request with another payload.
+    #[error("this Idempotency-Key was used for a different request")]
+    KeyReused,
+    /// A request with the same idempotency key is still running.
+    #[error("a request with this Idempotency-Key is in progress")]
+    InProgress,
+    /// turnlock's own fault (the message says which).
+    #[error("{0}")]
+    Internal(&'static str),
+}
+
+impl From<WriteError> for Answer {
+    fn from(e: WriteError) -> Self {
+        let retryable = |code: &str, e: &WriteError| Answer::retryable(code, e);
+        match &e {
+            WriteError::SessionBusy(_) => retryable("session_busy", &e),
+            WriteError::LockStalled(_) | WriteError::LockUnavailable(_) => retryable("lock_unavailable", &e),
+            WriteError::LeaseLost => retryable("lease_lost", &e),
+            WriteError::KeptMoving | WriteError::CommitInFlight => retryable("write_conflict", &e),
+            WriteError::RecordUnreadable => retryable("idempotency_record_unreadable", &e),
+            WriteError::InProgress => retryable("request_in_progress", &e),
+            WriteError::KeyReused => {
+                Answer::error(StatusCode::UNPROCESSABLE_ENTITY, "idempotency_key_reused", &e, None)
+            }
+            WriteError::Refused(m) => refused(m),
+            WriteError::DocumentTooLarge { size, limit } => Answer::error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "document_too_large",
+                &e,
+                Some(json!({"size": size, "limit": limit})),
+            ),
+            WriteError::Upstream(u) => upstream(u),
+            WriteError::InvalidPath(_) => Answer::error(StatusCode::BAD_REQUEST, "invalid_path", &e, None),
+            WriteError::Internal(_) => Answer::error(StatusCode::INTERNAL_SERVER_ERROR, "internal", &e, None),
+        }
+    }
+}
+
+fn refused(e: &MergeError) -> Answer {
+    let (status, extra) = match e {
+        MergeError::StaleTurn { current, .. } => (StatusCode::CONFLICT, Some(json!({"current_turn": current}))),
+        MergeError::Conflict { fields } => (StatusCode::CONFLICT, Some(json!({"fields": fields}))),
+        MergeError::MessageConflict { ids } => (StatusCode::CONFLICT, Some(json!({"message_ids": ids}))),
+        MergeError::BaseUnknown { base } => (StatusCode::CONFLICT, Some(json!({"base_version": base}))),
+        MergeError::VersionMismatch { current, .. } => (
+            StatusCode::PRECONDITION_FAILED,
+            Some(json!({"current_version": current})),
+        ),
+        MergeError::UnknownThrough { .. } => (StatusCode::CONFLICT, None),
+        MergeError::NotFound => (StatusCode::NOT_FOUND, None),
+        MergeError::VersionRequired => (StatusCode::PRECONDITION_REQUIRED, None),
+        MergeError::PreviousLife => (StatusCode::CONFLICT, Some(json!({"fields": [merge::LIFE]}))),
+    };
+    Answer::error(status, e.code(), e, extra)
+}
+
+fn upstream(e: &UpstreamError) -> Answer {
+    if let UpstreamError::Status { status, .. } = e {
+        if *status == StatusCode::PAYLOAD_TOO_LARGE {
+            return Answer::error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "document_too_large",
+                "the context store refused the document as too large (413); nothing was written",
+                Some(json!({"upstream_status": 413})),
+            );
+        }
+    }
+    let extra = match e {
+        UpstreamError::Status { status, .. } => Some(json!({"upstream_status": status.as_u16()})),
+        _ => None,
+    };
+    let message = if e.outcome_unknown() {
+        format!(
+            "{e}; the outcome is unknown: the write may have been applied. A retry with the same \
+             Idempotency-Key does not apply it twice"
+        )
+    } else {
+        format!("{e}; nothing was written by this request")
+    };
+    let answer = Answer::error(e.status(), e.code(), message, extra);
+    if matches!(e, UpstreamError::FencedOut) {
+        return answer.with_header(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    }
+    answer
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn body(a: &Answer) -> serde_json::Value {
+        serde_json::from_slice(&a.body).unwrap_or_default()
+    }
+
+    fn retry_after(a: &Answer) -> bool {
+        a.headers.iter().any(|(k, _)| k == header::RETRY_AFTER)
+    }
+
+    #[test]
+    fn lock_failures_are_retryable_503s_with_their_own_codes() {
+        let cases = [
+            (WriteError::SessionBusy(Duration::from_millis(50)), "session_busy"),
+            (WriteError::LockStalled(Duration::from_millis(50)), "lock_unavailable"),
+            (WriteError::LockUnavailable("down".into()), "lock_unavailable"),
+            (WriteError::LeaseLost, "lease_lost"),
+            (WriteError::KeptMoving, "write_conflict"),
+            (WriteError::CommitInFlight, "write_conflict"),
+            (WriteError::InProgress, "request_in_progress"),
+            (WriteError::RecordUnreadable, "idempotency_record_unreadable"),
+        ];
+        for (e, code) in cases {
+            let a = Answer::from(e);
+            assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE, "{code}");
+            assert_eq!(body(&a)["error"], code);
+            assert_eq!(body(&a)["retryable"], true, "{code}");
+            assert!(retry_after(&a), "{code} without Retry-After");
+            assert!(!a.is_final(), "{code} would be recorded as final");
+        }
+    }
+
+    #[test]
+    fn merge_refusals_are_final_4xx_with_their_details() {
+        let a = Answer::from(WriteError::from(MergeError::StaleTurn { turn: 3, current: 7 }));
+        assert_eq!(a.status, StatusCode::CONFLICT);
+        assert_eq!(body(&a)["error"], "stale_turn");
+        assert_eq!(body(&a)["current_turn"], 7);
+        assert!(a.is_final());
+        let a = Answer::from(WriteError::from(MergeError::VersionRequired));
+        assert_eq!(a.status, StatusCode::PRECONDITION_REQUIRED);
+        let a = Answer::from(WriteError::DocumentTooLarge { size: 10, limit: 5 });
+        assert_eq!(
+            (a.status, body(&a)["limit"].as_u64()),
+            (StatusCode::PAYLOAD_TOO_LARGE, Some(5))
+        );
+        assert_eq!(body(&a)["error"], "document_too_large");
+    }
+
+    #[test]
+    fn store_failures_say_whether_the_write_may_have_landed() {
+        let unknown = Answer::from(WriteError::from(UpstreamError::Timeout(Duration::from_secs(5))));
+        assert_eq!(unknown.status, StatusCode::GATEWAY_TIMEOUT);
+        assert_eq!(body(&unknown)["error"], "upstream_timeout");
+        assert!(body(&unknown)["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("outcome is unknown"));
+        let not_sent = Answer::from(WriteError::from(UpstreamError::NotSent("refused".into())));
+        assert_eq!(not_sent.status, StatusCode::BAD_GATEWAY);
+        assert_eq!(body(&not_sent)["error"], "upstream_unavailable");
+        assert!(body(&not_sent)["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("nothing was written"));
+        let too_large = Answer::from(WriteError::from(UpstreamError::Status {
+            status: StatusCode::PAYLOAD_TOO_LARGE,
+            body: Default::default(),
+        }));
+        assert_eq!(body(&too_large)["error"], "document_too_large");
+        let fenced = Answer::from(WriteError::from(UpstreamError::FencedOut));
+        assert_eq!(fenced.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert!(retry_after(&fenced));
+    }
+}

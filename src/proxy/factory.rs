@@ -1,0 +1,58 @@
+//! Building one proxy (with its own write pipeline) per store.
+
+use std::time::Duration;
+
+use super::{Limits, Pipeline, PipelineSettings, Proxy};
+use crate::lock::Locks;
+use crate::metrics::Metrics;
+use crate::records::Records;
+use crate::routes::Routes;
+use crate::session::Keys;
+use crate::upstream::{PoolSettings, Upstream};
+
+/// Builds a proxy (with its own write pipeline) for one store; the lock backend, records and
+/// metrics are shared, so writers of one session are serialized whichever store they address.
+pub struct ProxyFactory {
+    pub routes: Routes,
+    pub locks: Locks,
+    pub records: Records,
+    pub keys: Keys,
+    pub metrics: Metrics,
+    pub settings: PipelineSettings,
+    pub upstream_timeout: Duration,
+    pub pool: PoolSettings,
+    pub max_body: Limits,
+}
+
+impl ProxyFactory {
+    pub(crate) fn upstream(&self, url: &str) -> Result<Upstream, String> {
+        Upstream::with_pool(url, self.upstream_timeout, self.pool, self.metrics.clone())
+    }
+
+    pub(crate) fn proxy(&self, upstream: Upstream) -> Proxy {
+        self.proxy_with_keys(upstream, self.keys.clone())
+    }
+
+    /// The proxy for one of several stores (transparent mode): its documents' keys are its own.
+    pub(crate) fn proxy_for_store(&self, upstream: Upstream, store: &str) -> Proxy {
+        self.proxy_with_keys(upstream, self.keys.for_store(store))
+    }
+
+    fn proxy_with_keys(&self, upstream: Upstream, keys: Keys) -> Proxy {
+        let pipeline = Pipeline::new(
+            self.locks.clone(),
+            self.records.clone(),
+            upstream.clone(),
+            keys,
+            self.metrics.clone(),
+            self.settings.clone(),
+        );
+        Proxy::new(
+            self.routes.clone(),
+            upstream,
+            pipeline,
+            self.metrics.clone(),
+            self.max_body,
+        )
+    }
+}

@@ -1,0 +1,218 @@
+//! The forward commits: serialized writes and deletes, each forwarded unchanged under the
+//! grant and the resource's commit slot.
+
+use bytes::Bytes;
+use http::header::{self, HeaderValue};
+use http::{Request, StatusCode};
+use tokio::time::Instant;
+
+use super::errors::refused;
+use super::queue::{Pending, Queue};
+use super::slot::SlotHold;
+use super::Shared;
+use crate::http::{full, strip_hop_by_hop};
+use crate::lock::{Lease, Settled};
+use crate::merge::MergeError;
+use crate::proxy::answer::Answer;
+use crate::proxy::error::WriteError;
+use crate::proxy::request::Action;
+use crate::session::is_stale;
+use crate::upstream::FENCING_TOKEN;
+
+/// Serialize mode: each write is forwarded unchanged, one after another under the grant and
+/// under the resource's commit slot, after the stale check against turnlock's own turn mark.
+/// The mark is raised only by a write the store accepted; writes of other turns to the same
+/// resource, on any proxy, wait for the slot, so they reach the store one at a time.
+pub(super) async fn serialize_batch(s: &Shared, queue: &Queue, lease: &Lease, batch: &[Pending]) -> Vec<Answer> {
+    let mut slot = SlotHold::new(queue.scope.clone());
+    let mut answers = Vec::with_capacity(batch.len());
+    for p in batch {
+        // Taken anew for each write: the turn mark is read with it.
+        slot.since = None;
+        let (answer, settled) = serialize_one(s, lease, p, &mut slot).await;
+        match settled {
+            Some(settled) => slot.release(s, lease, settled).await,
+            // Unknown outcome: the slot expires by itself, after the write can have landed,
+            // and the write's turn counts as accepted (it may be stored).
+            None => {
+                slot.since = None;
+                if let Err(error) = s.locks.raise_turn_mark(&queue.scope, p.write.turn).await {
+                    tracing::warn!(%error, "turn mark not raised after an unknown outcome");
+                }
+            }
+        }
+        answers.push(answer);
+    }
+    answers
+}
+
+/// One serialized write; with what the store did, or `None` when its outcome is unknown.
+pub(super) async fn serialize_one(
+    s: &Shared,
+    lease: &Lease,
+    p: &Pending,
+    slot: &mut SlotHold,
+) -> (Answer, Option<Settled>) {
+    let Action::Serialize {
+        method,
+        path_and_query,
+        headers,
+        body,
+        ..
+    } = &p.write.action
+    else {
+        let answer = Answer::from(WriteError::Internal("mixed batch"));
+        return (answer, Some(Settled::Unchanged));
+    };
+    if let Err(answer) = slot.hold(s, lease).await {
+        return (answer, Some(Settled::Unchanged));
+    }
+    if is_stale(p.write.turn, slot.turn_mark) {
+        let stale = MergeError::StaleTurn {
+            turn: p.write.turn,
+            current: slot.turn_mark,
+        };
+        return (refused(s, stale), Some(Settled::Unchanged));
+    }
+    if !lease.check() {
+        return (Answer::from(WriteError::LeaseLost), Some(Settled::Unchanged));
+    }
+    let mut headers = headers.clone();
+    strip_hop_by_hop(&mut headers);
+    headers.remove(header::HOST);
+    headers.remove(header::CONTENT_LENGTH);
+    headers.insert(FENCING_TOKEN, HeaderValue::from(lease.fence()));
+    let uri = match s.upstream.uri(path_and_query) {
+        Ok(u) => u,
+        Err(e) => {
+            let answer = Answer::from(WriteError::InvalidPath(e.to_string()));
+            return (answer, Some(Settled::Unchanged));
+        }
+    };
+    let mut req = Request::new(full(body.clone()));
+    *req.method_mut() = method.clone();
+    *req.uri_mut() = uri;
+    *req.headers_mut() = headers;
+    let started = Instant::now();
+    let result = match s.upstream.send(req).await {
+        Ok(res) => {
+            let status = res.status();
+            let mut res_headers = res.headers().clone();
+            strip_hop_by_hop(&mut res_headers);
+            res_headers.remove(header::CONTENT_LENGTH);
+            s.upstream.body(res).await.map(|b| (status, res_headers, b))
+        }
+        Err(e) => Err(e),
+    };
+    s.metrics.upstream("forward", started.elapsed());
+    match result {
+        Ok((status, res_headers, body)) => {
+            let settled = if status.is_success() {
+                Settled::Accepted(p.write.turn)
+            } else {
+                Settled::Unchanged
+            };
+            let answer = Answer {
+                status,
+                headers: res_headers.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+                body,
+            };
+            (answer, Some(settled))
+        }
+        Err(e) => {
+            let settled = (!e.outcome_unknown()).then_some(Settled::Unchanged);
+            (Answer::from(WriteError::Upstream(e)), settled)
+        }
+    }
+}
+
+/// Deletes of one document, each forwarded under the document's commit slot: a write ordered
+/// before a delete is deleted with the document; a write ordered after it starts the
+/// document's next life (`201`, holding only what was written since). The store's answer is
+/// passed through; on `2xx` or `404` the document's turn mark goes with it.
+pub(super) async fn delete_batch(
+    s: &Shared,
+    queue: &Queue,
+    lease: &Lease,
+    batch: &[Pending],
+    path: &str,
+) -> Vec<Answer> {
+    let mut slot = SlotHold::new(queue.scope.clone());
+    let mut answers = Vec::with_capacity(batch.len());
+    for p in batch {
+        let (answer, settled) = delete_one(s, lease, path, p, &mut slot).await;
+        match settled {
+            Some(settled) => slot.release(s, lease, settled).await,
+            // Unknown outcome: the slot expires by itself, after the delete can have landed.
+            None => slot.since = None,
+        }
+        answers.push(answer);
+    }
+    answers
+}
+
+/// One delete; with what the store did, or `None` when its outcome is unknown.
+pub(super) async fn delete_one(
+    s: &Shared,
+    lease: &Lease,
+    path: &str,
+    p: &Pending,
+    slot: &mut SlotHold,
+) -> (Answer, Option<Settled>) {
+    if let Err(answer) = slot.hold(s, lease).await {
+        return (answer, Some(Settled::Unchanged));
+    }
+    if !lease.check() {
+        return (Answer::from(WriteError::LeaseLost), Some(Settled::Unchanged));
+    }
+    let uri = match s.upstream.uri(path) {
+        Ok(u) => u,
+        Err(e) => {
+            let answer = Answer::from(WriteError::InvalidPath(e.to_string()));
+            return (answer, Some(Settled::Unchanged));
+        }
+    };
+    let mut headers = match &p.write.action {
+        Action::Delete { headers, .. } => headers.clone(),
+        _ => http::HeaderMap::new(),
+    };
+    strip_hop_by_hop(&mut headers);
+    headers.remove(header::HOST);
+    headers.remove(header::CONTENT_LENGTH);
+    headers.insert(FENCING_TOKEN, HeaderValue::from(lease.fence()));
+    let mut req = Request::new(full(Bytes::new()));
+    *req.method_mut() = http::Method::DELETE;
+    *req.uri_mut() = uri;
+    *req.headers_mut() = headers;
+    let started = Instant::now();
+    let result = match s.upstream.send(req).await {
+        Ok(res) => {
+            let status = res.status();
+            let mut res_headers = res.headers().clone();
+            strip_hop_by_hop(&mut res_headers);
+            res_headers.remove(header::CONTENT_LENGTH);
+            s.upstream.body(res).await.map(|b| (status, res_headers, b))
+        }
+        Err(e) => Err(e),
+    };
+    s.metrics.upstream("delete", started.elapsed());
+    match result {
+        Ok((status, res_headers, body)) => {
+            let settled = if status.is_success() || status == StatusCode::NOT_FOUND {
+                Settled::Deleted
+            } else {
+                Settled::Unchanged
+            };
+            let answer = Answer {
+                status,
+                headers: res_headers.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+                body,
+            };
+            (answer, Some(settled))
+        }
+        Err(e) => {
+            let settled = (!e.outcome_unknown()).then_some(Settled::Unchanged);
+            (Answer::from(WriteError::Upstream(e)), settled)
+        }
+    }
+}

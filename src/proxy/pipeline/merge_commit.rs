@@ -1,0 +1,302 @@
+//! The merge commit: read the document once, apply the batch's writes in order, write it back
+//! once under the store's `If-Match` (or the commit slot, for a store without ETags).
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+
+use bytes::Bytes;
+use http::header;
+use http::StatusCode;
+use serde_json::json;
+use tokio::time::Instant;
+
+use super::errors::refused;
+use super::queue::{Pending, Queue};
+use super::slot::SlotHold;
+use super::{Shared, MAX_ATTEMPTS};
+use crate::http::etag_for;
+use crate::lock::{Lease, Settled};
+use crate::merge::{self, Document, MergeError, Op, RandomIds, Snapshot};
+use crate::proxy::answer::Answer;
+use crate::proxy::error::WriteError;
+use crate::proxy::request::Action;
+use crate::redis_conn::Entry;
+use crate::session::{Scope, SessionId};
+use crate::upstream::{Precondition, UpstreamError};
+
+pub(super) async fn merge_batch(
+    s: &Shared,
+    queue: &Queue,
+    lease: &Lease,
+    batch: &[Pending],
+    path: &str,
+    records: &mut Vec<Entry>,
+) -> Vec<Answer> {
+    let mut slot = SlotHold::new(queue.scope.clone());
+    let (answers, outcome_unknown) = merge_attempts(s, queue, lease, batch, path, records, &mut slot).await;
+    // When the outcome is unknown the slot is left to expire: the write may still land, and
+    // no commit of this document is ordered after it until then.
+    if !outcome_unknown {
+        slot.release(s, lease, Settled::Unchanged).await;
+    }
+    answers
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(super) async fn merge_attempts(
+    s: &Shared,
+    queue: &Queue,
+    lease: &Lease,
+    batch: &[Pending],
+    path: &str,
+    records: &mut Vec<Entry>,
+    slot: &mut SlotHold,
+) -> (Vec<Answer>, bool) {
+    let started = Instant::now();
+    let session = &queue.session;
+    let mut attempt = 0;
+    let mut force_slot = false;
+    loop {
+        attempt += 1;
+        // Without ETags the document is read under its commit slot: what is read is then the
+        // latest commit (or what the store holds after a change made behind turnlock's back,
+        // such as a delete), and nothing is committed between this read and this write.
+        if force_slot || !s.etags_seen.load(Ordering::Relaxed) {
+            if let Err(answer) = slot.hold(s, lease).await {
+                return (vec![answer; batch.len()], false);
+            }
+        }
+        let fetched = match s.upstream.get_document(path).await {
+            Ok(f) => f,
+            Err(e) => return (vec![Answer::from(WriteError::Upstream(e)); batch.len()], false),
+        };
+        if fetched.etag.is_some() {
+            s.etags_seen.store(true, Ordering::Relaxed);
+        } else if fetched.doc.is_some() && !slot.held() {
+            // A document without an ETag from a store that gave them: read again under the slot.
+            force_slot = true;
+            continue;
+        }
+        let current = fetched.doc;
+        let current_version = current.as_ref().map(merge::version_of).unwrap_or(0);
+        let bases = load_bases(s, &queue.scope, batch, current.as_ref()).await;
+        let (doc, results) = apply_batch(session, current.as_ref(), batch, &bases);
+        let refusals = |results: Vec<Result<merge::Applied, MergeError>>, on_ok: &Answer| -> Vec<Answer> {
+            results
+                .into_iter()
+                .map(|r| match r {
+                    Ok(_) => on_ok.clone(),
+                    Err(e) => refused(s, e),
+                })
+                .collect()
+        };
+        let Some(mut next) = doc.filter(|_| results.iter().any(Result::is_ok)) else {
+            let on_ok = Answer::from(WriteError::Internal("nothing to write"));
+            return (refusals(results, &on_ok), false);
+        };
+        // The slot must outlive the write-back: extended when the read took long.
+        if slot.held() {
+            if let Err(answer) = slot.hold(s, lease).await {
+                return (refusals(results, &answer), false);
+            }
+        }
+        if !lease.check() {
+            return (refusals(results, &Answer::from(WriteError::LeaseLost)), false);
+        }
+        // One write-back: the whole batch is one new version, whatever it merged.
+        let new_version = current_version + 1;
+        next.insert("version".into(), json!(new_version));
+        // A document gets its life when turnlock first writes it (see `merge::LIFE`).
+        next.entry(merge::LIFE).or_insert_with(|| json!(lease.fence()));
+        let precondition = match (&current, fetched.etag) {
+            (None, _) => Precondition::Absent,
+            (Some(_), Some(tag)) => Precondition::IfMatch(tag),
+            (Some(_), None) => Precondition::None,
+        };
+        let body = Bytes::from(serde_json::to_vec(&next).unwrap_or_default());
+        if body.len() > s.settings.max_document_bytes {
+            return (
+                refusals(
+                    results,
+                    &Answer::from(WriteError::DocumentTooLarge {
+                        size: body.len(),
+                        limit: s.settings.max_document_bytes,
+                    }),
+                ),
+                false,
+            );
+        }
+        match s.upstream.put_document(path, body, &precondition, lease.fence()).await {
+            Ok(etag) => {
+                records.push(Entry {
+                    key: queue.scope.history(new_version),
+                    value: Bytes::from(serde_json::to_vec(&Snapshot::of(&next)).unwrap_or_default()),
+                    ttl: s.settings.history_ttl,
+                    expect: None,
+                });
+                let status = if current.is_none() {
+                    StatusCode::CREATED
+                } else {
+                    StatusCode::OK
+                };
+                let etag = etag.unwrap_or_else(|| etag_for(new_version));
+                let turn = merge::turn_of(&next);
+                let answers = results
+                    .into_iter()
+                    .map(|r| match r {
+                        Ok(applied) => Answer::json(
+                            status,
+                            &json!({"session": session.as_str(), "turn": turn, "version": new_version, "message_ids": applied.message_ids}),
+                        )
+                        .with_header(header::ETAG, etag.clone()),
+                        Err(e) => refused(s, e),
+                    })
+                    .collect();
+                return (answers, false);
+            }
+            Err(UpstreamError::PreconditionFailed) => {
+                // Decided now, not before the write-back: a re-read must start within the lease.
+                if attempt < MAX_ATTEMPTS && started.elapsed() < s.locks.settings().lease / 2 {
+                    continue;
+                }
+                return (refusals(results, &Answer::from(WriteError::KeptMoving)), false);
+            }
+            Err(e) => {
+                if let Some(suppressed) = crate::telemetry::warn_allowed("write-back failed") {
+                    tracing::warn!(error = %e, suppressed, "write-back to the context store failed");
+                }
+                let unknown = e.outcome_unknown();
+                return (refusals(results, &Answer::from(WriteError::Upstream(e))), unknown);
+            }
+        }
+    }
+}
+
+/// Applies a batch's writes one after another to the current document. Consecutive appends
+/// are merged as one (the document is copied once for them, not once per write), each write
+/// still getting its own result.
+pub(super) fn apply_batch(
+    session: &SessionId,
+    current: Option<&Document>,
+    batch: &[Pending],
+    bases: &HashMap<u64, Snapshot>,
+) -> (Option<Document>, Vec<Result<merge::Applied, MergeError>>) {
+    // `None` until a write applies: the current document is not copied before then.
+    let mut doc: Option<Document> = None;
+    let mut results = Vec::with_capacity(batch.len());
+    let mut i = 0;
+    while i < batch.len() {
+        let turn = batch[i].write.turn;
+        let run = batch[i..]
+            .iter()
+            .take_while(|p| {
+                p.write.turn == turn
+                    && matches!(
+                        &p.write.action,
+                        Action::Merge {
+                            op: Op::Append { .. },
+                            ..
+                        }
+                    )
+            })
+            .count();
+        if run > 1 {
+            let mut counts = Vec::with_capacity(run);
+            let mut messages = Vec::new();
+            for p in &batch[i..i + run] {
+                if let Action::Merge {
+                    op: Op::Append { messages: m },
+                    ..
+                } = &p.write.action
+                {
+                    counts.push(m.len());
+                    messages.extend(m.iter().cloned());
+                }
+            }
+            let on = doc.as_ref().or(current);
+            match merge::apply(session, on, turn, &Op::Append { messages }, None, &mut RandomIds) {
+                Ok((next, applied)) => {
+                    doc = Some(next);
+                    let mut ids = applied.message_ids.into_iter();
+                    for n in counts {
+                        results.push(Ok(merge::Applied {
+                            message_ids: ids.by_ref().take(n).collect(),
+                        }));
+                    }
+                }
+                Err(e) => results.extend((0..run).map(|_| Err(e.clone()))),
+            }
+            i += run;
+            continue;
+        }
+        let p = &batch[i];
+        i += 1;
+        let Action::Merge { op, .. } = &p.write.action else {
+            results.push(Err(MergeError::NotFound));
+            continue;
+        };
+        let base = match op {
+            Op::Put {
+                base_version: Some(v), ..
+            } => bases.get(v),
+            _ => None,
+        };
+        match merge::apply(
+            session,
+            doc.as_ref().or(current),
+            p.write.turn,
+            op,
+            base,
+            &mut RandomIds,
+        ) {
+            Ok((next, applied)) => {
+                doc = Some(next);
+                results.push(Ok(applied));
+            }
+            Err(e) => results.push(Err(e)),
+        }
+    }
+    (doc, results)
+}
+
+/// The snapshots of the versions that merged PUTs in the batch were based on. The current
+/// version's is among them: a PUT that follows another write in the same batch no longer
+/// finds its base as the document it is applied to. A base newer than the current document
+/// cannot be of its present life (it was read before a delete, and stores may reuse version
+/// numbers): its snapshot is never loaded, and the PUT is refused as based on an unknown
+/// version.
+pub(super) async fn load_bases(
+    s: &Shared,
+    scope: &Scope,
+    batch: &[Pending],
+    current: Option<&Document>,
+) -> HashMap<u64, Snapshot> {
+    let current_version = current.map(merge::version_of).unwrap_or(0);
+    let mut bases = HashMap::new();
+    for p in batch {
+        if let Action::Merge {
+            op: Op::Put {
+                base_version: Some(v), ..
+            },
+            ..
+        } = &p.write.action
+        {
+            let v = *v;
+            if v == 0 || v > current_version || bases.contains_key(&v) {
+                continue;
+            }
+            if v == current_version {
+                if let Some(doc) = current {
+                    bases.insert(v, Snapshot::of(doc));
+                }
+                continue;
+            }
+            if let Ok(Some(bytes)) = s.records.get(&scope.history(v)).await {
+                if let Ok(snap) = serde_json::from_slice::<Snapshot>(&bytes) {
+                    bases.insert(v, snap);
+                }
+            }
+        }
+    }
+    bases
+}
