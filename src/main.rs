@@ -72,10 +72,14 @@ fn main() -> ExitCode {
     } else {
         "info"
     };
-    if let Err(e) = turnlock::telemetry::init(default_level) {
-        eprintln!("turnlock: configuration error: {e}");
-        return ExitCode::from(EXIT_USAGE);
-    }
+    // Held to the end of `main`: dropping it flushes the queued log lines.
+    let _log = match turnlock::telemetry::init(default_level) {
+        Ok(guard) => guard,
+        Err(e) => {
+            eprintln!("turnlock: configuration error: {e}");
+            return ExitCode::from(EXIT_USAGE);
+        }
+    };
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {

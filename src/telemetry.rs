@@ -32,8 +32,19 @@ pub fn filter(rust_log: Option<&str>, default: &str) -> Result<EnvFilter, BadFil
     }
 }
 
+/// Keeps the log writer's thread: dropping it flushes what is queued (waiting a second at the
+/// most).
+pub struct LogGuard(#[allow(dead_code)] tracing_appender::non_blocking::WorkerGuard);
+
+/// How many log lines may wait for stderr before new ones are dropped.
+const QUEUED_LINES: usize = 16_384;
+
 /// Installs the global subscriber; `default` is the level used when `RUST_LOG` is unset.
-pub fn init(default: &str) -> Result<(), BadFilter> {
+///
+/// Lines are written to stderr by a thread of their own, through a bounded queue that drops
+/// lines when full: a stderr nobody reads (a stalled log collector, a full pipe) costs log
+/// lines, never the proxy's threads.
+pub fn init(default: &str) -> Result<LogGuard, BadFilter> {
     let rust_log = std::env::var(EnvFilter::DEFAULT_ENV).ok();
     let filter = filter(rust_log.as_deref(), default)?;
     let json = match std::env::var(LOG_FORMAT) {
@@ -48,6 +59,11 @@ pub fn init(default: &str) -> Result<(), BadFilter> {
             })
         }
     };
+    let (writer, guard) = tracing_appender::non_blocking::NonBlockingBuilder::default()
+        .lossy(true)
+        .buffered_lines_limit(QUEUED_LINES)
+        .thread_name("turnlock-log")
+        .finish(std::io::stderr());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(std::io::stderr().is_terminal())
@@ -55,13 +71,13 @@ pub fn init(default: &str) -> Result<(), BadFilter> {
         // reporting it would print to that same stderr, which panics the task that logged, and
         // a signal handler that logs would then never start the shutdown.
         .log_internal_errors(false)
-        .with_writer(std::io::stderr);
+        .with_writer(writer);
     let _ = if json {
         builder.json().with_current_span(true).try_init()
     } else {
         builder.try_init()
     };
-    Ok(())
+    Ok(LogGuard(guard))
 }
 
 /// How often one kind of repeated warning is logged.

@@ -277,6 +277,59 @@ fn sigterm_stops_the_proxy_when_its_log_pipe_is_gone() {
     assert_eq!(code, Some(0), "the proxy did not stop on SIGTERM with its stderr gone");
 }
 
+/// A log reader that stalls (stderr a pipe nobody reads, full) costs log lines, never the
+/// proxy: requests keep being answered and SIGTERM still stops it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_log_reader_never_stops_the_proxy() {
+    let store = store().await;
+    let (port, admin) = (free_port(), free_port());
+    let mut child = std::process::Command::new(turnlock_bin())
+        .args([
+            "proxy",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--admin",
+            &format!("127.0.0.1:{admin}"),
+            "--upstream",
+            &format!("http://{}", store.addr),
+        ])
+        .env("RUST_LOG", "trace")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start turnlock");
+    // The pipe is kept open and never read: once its buffer is full, every write to it blocks.
+    let _unread = child.stderr.take();
+    wait_for_port(port, Duration::from_secs(10));
+    let agent = client(format!("127.0.0.1:{port}").parse().expect("addr"));
+    let mut answered = 0;
+    for i in 0..400 {
+        let r = tokio::time::timeout(
+            Duration::from_secs(2),
+            try_append(&agent, &format!("log-{i}"), 1, "m", true, &[]),
+        )
+        .await;
+        if !matches!(r, Ok(Ok(ref r)) if r.status.is_success()) {
+            break;
+        }
+        answered += 1;
+    }
+    let (status, _) = admin_get(format!("127.0.0.1:{admin}").parse().expect("addr"), "/healthz").await;
+    let status_code = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .expect("kill");
+    assert!(status_code.success());
+    let (code, _) = wait_exit(&mut child, Duration::from_secs(5));
+    assert_eq!(answered, 400, "writes went unanswered while the log pipe was full");
+    assert_eq!(status, 200, "/healthz did not answer while the log pipe was full");
+    assert_eq!(
+        code,
+        Some(0),
+        "SIGTERM did not stop the proxy while the log pipe was full"
+    );
+}
+
 /// One keep-alive client: sends GETs on one connection until told to stop or the server
 /// says `Connection: close`; counts connections that ended under a request.
 async fn keep_alive_client(addr: SocketAddr, stop: Arc<std::sync::atomic::AtomicBool>, cut: Arc<AtomicUsize>) {
