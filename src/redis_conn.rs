@@ -60,7 +60,9 @@ struct Progress {
 
 struct Outstanding<'a> {
     progress: &'a Progress,
-    answered: bool,
+    /// Whether Redis answered the command; `None` when the caller gave up on it first (it then
+    /// says nothing about Redis).
+    answered: Option<bool>,
 }
 
 enum Source {
@@ -179,7 +181,7 @@ impl RedisConn {
             Ok(conn) => f(conn).await,
             Err(e) => Err(e),
         };
-        outstanding.answered = result.as_ref().map_or_else(|e| !needs_reconnect(e), |_| true);
+        outstanding.answered = Some(result.as_ref().map_or_else(|e| !needs_reconnect(e), |_| true));
         if let Err(e) = &result {
             if let Some(metrics) = self.inner.metrics.get() {
                 metrics.redis_error(operation_of::<F>(), error_kind(e));
@@ -214,7 +216,7 @@ impl Progress {
         }
         Outstanding {
             progress: self,
-            answered: false,
+            answered: None,
         }
     }
 
@@ -230,10 +232,12 @@ impl Progress {
 impl Drop for Outstanding<'_> {
     fn drop(&mut self) {
         let p = self.progress;
-        if self.answered {
-            p.since_us.store(p.now_us(), Ordering::Release);
+        if let Some(answered) = self.answered {
+            if answered {
+                p.since_us.store(p.now_us(), Ordering::Release);
+            }
+            p.silent.store(!answered, Ordering::Release);
         }
-        p.silent.store(!self.answered, Ordering::Release);
         p.in_flight.fetch_sub(1, Ordering::AcqRel);
     }
 }

@@ -301,6 +301,12 @@ fn build_op(
     };
     Ok(match kind {
         Kind::Append => {
+            if let Some(id) = duplicate_id(&doc) {
+                return Err(bad(
+                    "invalid_messages",
+                    format!("message id {id:?} appears more than once in `messages`"),
+                ));
+            }
             let messages = doc.remove("messages").ok_or_else(|| {
                 bad(
                     "invalid_messages",

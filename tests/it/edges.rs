@@ -989,6 +989,12 @@ async fn changes_that_cannot_be_made_are_refused_not_acknowledged() {
         (r.status, r.json["error"].as_str()),
         (StatusCode::BAD_REQUEST, Some("invalid_messages"))
     );
+    let twice = json!({"turn": 1, "messages": [{"id": "c", "content": "C"}, {"id": "c", "content": "C2"}]});
+    let r = send(&agent, Method::POST, "/v1/sessions/nc/messages", twice, &[]).await;
+    assert_eq!(
+        (r.status, r.json["error"].as_str()),
+        (StatusCode::BAD_REQUEST, Some("invalid_messages"))
+    );
     let stored = get_doc(&agent, "nc").await.json;
     assert_eq!(stored["version"], 1, "nothing was written: {stored}");
     assert_eq!(stored["messages"][0]["content"], "A");
