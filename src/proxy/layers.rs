@@ -104,3 +104,69 @@ where
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tower::ServiceExt;
+
+    fn answer(route: Option<&'static str>, status: StatusCode, code: Option<&'static str>) -> Response<Body> {
+        let mut res = Response::new(crate::http::empty());
+        *res.status_mut() = status;
+        if let Some(route) = route {
+            res.extensions_mut().insert(RouteName(route));
+        }
+        if let Some(code) = code {
+            res.extensions_mut().insert(ErrorCode(code));
+        }
+        res
+    }
+
+    #[tokio::test]
+    async fn answers_are_counted_by_route_status_and_code_and_unnamed_ones_are_not() {
+        let metrics = Metrics::new();
+        let inner = tower::service_fn(|req: Request<Body>| async move {
+            Ok::<_, Infallible>(match req.uri().path() {
+                "/write" => answer(Some("append"), StatusCode::CONFLICT, Some("stale_turn")),
+                "/read" => answer(Some("forward"), StatusCode::OK, None),
+                _ => answer(None, StatusCode::BAD_GATEWAY, None),
+            })
+        });
+        let service = stack(metrics.clone(), inner);
+        for path in ["/write", "/read", "/read", "/unnamed"] {
+            let req = Request::get(path).body(crate::http::empty()).expect("request");
+            service.clone().oneshot(req).await.expect("infallible");
+        }
+        let text = metrics.encode();
+        assert!(
+            text.contains(r#"turnlock_requests_total{route="append",status="409",error="stale_turn"} 1"#),
+            "{text}"
+        );
+        assert!(
+            text.contains(r#"turnlock_requests_total{route="forward",status="200",error=""} 2"#),
+            "{text}"
+        );
+        assert!(!text.contains(r#"status="502""#), "{text}");
+    }
+
+    #[tokio::test]
+    async fn a_panic_is_a_500_json_answer() {
+        let inner = tower::service_fn(|_: Request<Body>| async move {
+            if true {
+                panic!("handler bug");
+            }
+            Ok::<_, Infallible>(answer(None, StatusCode::OK, None))
+        });
+        let res = stack(Metrics::new(), inner)
+            .oneshot(Request::get("/").body(crate::http::empty()).expect("request"))
+            .await
+            .expect("infallible");
+        assert_eq!(res.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        let body = http_body_util::BodyExt::collect(res.into_body())
+            .await
+            .expect("body")
+            .to_bytes();
+        let body: serde_json::Value = serde_json::from_slice(&body).expect("JSON");
+        assert_eq!(body["error"], "internal");
+    }
+}

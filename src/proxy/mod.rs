@@ -94,7 +94,7 @@ impl Proxy {
     pub async fn handle(&self, req: Request<Body>, peer: SocketAddr) -> Response<Body> {
         let inner = &self.inner;
         let path = req.uri().path().to_owned();
-        let (route_name, res) = match inner.routes.find(req.method(), &path) {
+        let (route_name, mut res) = match inner.routes.find(req.method(), &path) {
             Ok(Some((route, session))) => {
                 let _in_flight = inner.metrics.write_in_flight();
                 let (parts, body) = req.into_parts();
@@ -115,7 +115,6 @@ impl Proxy {
                 error(StatusCode::BAD_REQUEST, "ambiguous_path", ambiguous, None),
             ),
         };
-        let mut res = res;
         res.extensions_mut().insert(RouteName(route_name));
         res
     }
