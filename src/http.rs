@@ -16,6 +16,15 @@ pub fn full(bytes: impl Into<Bytes>) -> Body {
     Full::new(bytes.into()).map_err(|never| match never {}).boxed()
 }
 
+/// Any body as a [`Body`] (hyper's, or one built in memory).
+pub fn boxed<B>(body: B) -> Body
+where
+    B: http_body::Body<Data = Bytes> + Send + Sync + 'static,
+    B::Error: Into<BoxError>,
+{
+    body.map_err(|e| -> BoxError { e.into() }).boxed()
+}
+
 pub fn empty() -> Body {
     full(Bytes::new())
 }

@@ -10,8 +10,9 @@
 //!   and the version fence for stores without ETags.
 //! - [`records`]: expiring records (idempotency results, version snapshots).
 //! - [`upstream`]: the HTTP client to the context store.
-//! - [`proxy`]: the agent-facing service: request parsing, the write pipeline (idempotency,
-//!   coalescing queue, merge and forward commits), the error map, and pass-through forwarding.
+//! - [`proxy`]: the agent-facing service: its tower layers (catch-panic, trace, request
+//!   metrics), request parsing, the write pipeline (idempotency, coalescing queue, merge and
+//!   forward commits), the error map, and pass-through forwarding.
 //! - [`admin`]: `/metrics`, `/healthz`, `/readyz`, `/status`.
 //! - [`health`]: dependency health checked in the background (probes never wait on it).
 //! - [`sidecar`]: assembling and running the proxy, with graceful shutdown.

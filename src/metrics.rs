@@ -97,6 +97,11 @@ pub const ERROR_CODES: &[&str] = &[
 #[derive(Clone, Copy, Debug)]
 pub struct ErrorCode(pub &'static str);
 
+/// The route that answered a request (the `route` label of `turnlock_requests_total`), put
+/// into the answer's extensions; an answer without it is not counted.
+#[derive(Clone, Copy, Debug)]
+pub struct RouteName(pub &'static str);
+
 /// The `error` label for a code: itself when known, `other` otherwise (labels stay bounded).
 pub fn error_label(code: &str) -> &'static str {
     ERROR_CODES.iter().find(|c| **c == code).copied().unwrap_or("other")

@@ -216,13 +216,34 @@ struct File {
     route: Vec<FileRoute>,
 }
 
+/// One `[[route]]` of the routes file; `mode` says which kind, each with its own fields.
+#[derive(Deserialize)]
+#[serde(tag = "mode", rename_all = "lowercase")]
+enum FileRoute {
+    Serialize(SerializeRoute),
+    Merge(MergeRoute),
+}
+
+/// `mode = "serialize"`: forwarded unchanged, under the lock, after the stale check.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
-struct FileRoute {
+struct SerializeRoute {
     method: String,
     path: String,
     turn: FileTurn,
-    mode: String,
+    /// Fields of mode "merge", read only to refuse them with a message that says so.
+    kind: Option<toml::Value>,
+    document: Option<toml::Value>,
+}
+
+/// `mode = "merge"`: read-merge-write of `document` (the route's own path by default).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct MergeRoute {
+    method: String,
+    path: String,
+    turn: FileTurn,
+    /// Required; optional here only to refuse its absence with the list of kinds.
     kind: Option<Kind>,
     document: Option<String>,
 }
@@ -310,11 +331,16 @@ impl Routes {
         let mut routes: Vec<Route> = Vec::new();
         for (i, r) in file.route.into_iter().enumerate() {
             let at = |msg: String| format!("route #{}: {msg}", i + 1);
-            let method = Method::from_bytes(r.method.to_ascii_uppercase().as_bytes())
-                .map_err(|_| at(format!("invalid method {:?}", r.method)))?;
-            let path = Template::parse(&r.path).map_err(at)?;
-            let turn = match (r.turn.body, r.turn.header) {
-                (Some(p), None) if p.starts_with('/') => TurnSource::Body(p),
+            let (method, path, turn) = match &r {
+                FileRoute::Serialize(r) => (&r.method, &r.path, &r.turn),
+                FileRoute::Merge(r) => (&r.method, &r.path, &r.turn),
+            };
+            let raw_path = path.clone();
+            let method = Method::from_bytes(method.to_ascii_uppercase().as_bytes())
+                .map_err(|_| at(format!("invalid method {method:?}")))?;
+            let path = Template::parse(path).map_err(at)?;
+            let turn = match (&turn.body, &turn.header) {
+                (Some(p), None) if p.starts_with('/') => TurnSource::Body(p.clone()),
                 (Some(p), None) => {
                     return Err(at(format!(
                         "turn body {p:?} is not a JSON pointer: it must start with '/', e.g. \"/turn\""
@@ -329,8 +355,8 @@ impl Routes {
                     ))
                 }
             };
-            let mode = match r.mode.as_str() {
-                "serialize" => {
+            let mode = match r {
+                FileRoute::Serialize(r) => {
                     if r.kind.is_some() || r.document.is_some() {
                         return Err(at(
                             "mode \"serialize\" forwards the request unchanged: `kind` and `document` belong to mode \"merge\""
@@ -339,7 +365,7 @@ impl Routes {
                     }
                     Mode::Serialize
                 }
-                "merge" => {
+                FileRoute::Merge(r) => {
                     let kind = r
                         .kind
                         .ok_or_else(|| at("mode \"merge\" needs kind = append|patch|put|compact|delete".into()))?;
@@ -349,7 +375,6 @@ impl Routes {
                     };
                     Mode::Merge { kind, document }
                 }
-                other => return Err(at(format!("mode must be \"merge\" or \"serialize\", not {other:?}"))),
             };
             if let Some(j) = routes
                 .iter()
@@ -357,7 +382,7 @@ impl Routes {
             {
                 return Err(at(format!(
                     "{method} {:?} is already route #{} (a request matches one route only)",
-                    r.path,
+                    raw_path,
                     j + 1
                 )));
             }
@@ -597,9 +622,17 @@ mod tests {
             ),
             (
                 "[[route]]\nmethod='POST'\npath='/x/{session}'\nturn={body='/t'}\nmode='bogus'",
-                "mode must be",
+                "unknown variant `bogus`, expected `serialize` or `merge`",
             ),
             ("bogus = 1", "unknown field"),
+            (
+                "[[route]]\nmethod='POST'\npath='/x/{session}'\nturn={body='/t'}\nmode='merge'\nkind='append'\nbogus=1",
+                "unknown field `bogus`",
+            ),
+            (
+                "[[route]]\nmethod='POST'\npath='/x/{session}'\nturn={body='/t'}\nkind='append'",
+                "missing field `mode`",
+            ),
         ] {
             let err = Routes::from_toml(toml, "/v1/sessions").unwrap_err();
             assert!(err.contains(needle), "{err:?} lacks {needle:?}");

@@ -51,7 +51,17 @@ impl Running {
 }
 
 /// Builds everything from the configuration and starts serving.
-pub async fn start(args: ProxyArgs) -> Result<Running, StartError> {
+/// What a proxy is made of, before any socket: its metrics, lock backend, per-store proxy
+/// factory, the configured store and its proxy.
+struct Assembled {
+    metrics: Metrics,
+    locks: Locks,
+    factory: ProxyFactory,
+    upstream: crate::upstream::Upstream,
+    proxy: crate::proxy::Proxy,
+}
+
+fn assemble(args: &ProxyArgs) -> Result<Assembled, StartError> {
     args.validate()?;
     let metrics = Metrics::new();
     let keys = Keys::new(args.key_prefix.clone());
@@ -116,6 +126,34 @@ pub async fn start(args: ProxyArgs) -> Result<Running, StartError> {
     let upstream = factory.upstream(&args.upstream).map_err(ConfigError)?;
     let proxy = factory.proxy(upstream.clone());
 
+    Ok(Assembled {
+        metrics,
+        locks,
+        factory,
+        upstream,
+        proxy,
+    })
+}
+
+/// The proxy for the configured store with its layers, as a service with no socket (for
+/// callers in the same process, and tests through `oneshot`). Needs a tokio runtime.
+pub fn service<B>(args: &ProxyArgs) -> Result<crate::proxy::Stack<B>, StartError>
+where
+    B: http_body::Body<Data = bytes::Bytes> + Send + Sync + 'static,
+    B::Error: Into<crate::http::BoxError>,
+{
+    let parts = assemble(args)?;
+    Ok(crate::proxy::stack(parts.metrics, parts.proxy))
+}
+
+pub async fn start(args: ProxyArgs) -> Result<Running, StartError> {
+    let Assembled {
+        metrics,
+        locks,
+        factory,
+        upstream,
+        proxy,
+    } = assemble(&args)?;
     let listener = TcpListener::bind(args.listen)
         .await
         .map_err(|e| StartError::bind(args.listen, e))?;
@@ -150,13 +188,14 @@ pub async fn start(args: ProxyArgs) -> Result<Running, StartError> {
 
     let outcome = Arc::new(std::sync::Mutex::new(ShutdownOutcome::default()));
     let task = {
+        let metrics = metrics.clone();
         let shutdown = shutdown.clone();
         let locks = locks.clone();
         let outcome = outcome.clone();
         tokio::spawn(async move {
             let make = {
                 let destinations = destinations.clone();
-                move |conn| destinations.for_connection(conn)
+                move |conn| crate::proxy::stack(metrics.clone(), destinations.for_connection(conn))
             };
             let serving = crate::server::serve_with(listener, make, transparent, shutdown.clone(), grace);
             let began = async {

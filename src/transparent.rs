@@ -14,7 +14,6 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use http::{Request, Response, StatusCode};
-use hyper::body::Incoming;
 use tokio::io::AsyncWriteExt;
 
 use crate::config::ConfigError;
@@ -221,7 +220,7 @@ impl Destinations {
         }
     }
 
-    pub async fn handle(&self, req: Request<Incoming>, conn: Conn) -> Response<Body> {
+    pub async fn handle(&self, req: Request<Body>, conn: Conn) -> Response<Body> {
         let proxy = match conn.original_dst {
             Some(dst) if !is_own(dst, self.inner.own) => {
                 if self.came_back(&req) {
@@ -240,7 +239,7 @@ impl Destinations {
 
     /// Whether a request carries this proxy's own `Via` entry: its own forwarded request was
     /// intercepted and sent back to it.
-    fn came_back(&self, req: &Request<Incoming>) -> bool {
+    fn came_back(&self, req: &Request<Body>) -> bool {
         let own = self.inner.via.as_bytes();
         req.headers()
             .get_all(http::header::VIA)
@@ -313,7 +312,11 @@ pub struct ConnService {
     fixed: Option<Proxy>,
 }
 
-impl tower::Service<Request<Incoming>> for ConnService {
+impl<B> tower::Service<Request<B>> for ConnService
+where
+    B: http_body::Body<Data = bytes::Bytes> + Send + Sync + 'static,
+    B::Error: Into<crate::http::BoxError>,
+{
     type Response = Response<Body>;
     type Error = std::convert::Infallible;
     type Future = futures_util::future::BoxFuture<'static, Result<Response<Body>, Self::Error>>;
@@ -322,8 +325,9 @@ impl tower::Service<Request<Incoming>> for ConnService {
         std::task::Poll::Ready(Ok(()))
     }
 
-    fn call(&mut self, req: Request<Incoming>) -> Self::Future {
+    fn call(&mut self, req: Request<B>) -> Self::Future {
         let this = self.clone();
+        let req = req.map(crate::http::boxed);
         Box::pin(async move {
             Ok(match &this.fixed {
                 Some(proxy) => proxy.handle(req, this.conn.peer).await,

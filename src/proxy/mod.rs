@@ -6,24 +6,31 @@
 //! 1. `server::Connection` (a tower layer per connection): the connection's `Conn` (peer,
 //!    original destination) into the request's extensions; on the way out, `Connection:
 //!    close` once shutdown began. hyper serves the stack through `TowerToHyperService`.
-//! 2. `transparent::ConnService` (the routing service): the proxy of the connection's store,
+//! 2. `layers` ([`stack`], a `ServiceBuilder`): catch-panic (`tower-http`: a panic becomes a
+//!    `500` JSON answer, the connection and process go on) → a trace span per request
+//!    (`tower-http`) → [`RequestMetrics`] (`turnlock_requests_total`, from the answer's route
+//!    and error code).
+//! 3. `transparent::ConnService` (the routing service): the proxy of the connection's store,
 //!    chosen once per connection (per request only for intercepted connections, whose
 //!    requests name their store by `Host`).
-//! 3. [`Proxy::handle`]: the route match; not a write → `passthrough` (streaming forward).
-//! 4. `request`: body limits and timeout, JSON, turn, session id → a `WriteRequest`.
-//! 5. `pipeline`: idempotency claim → coalescing queue → lock → merge or forward commit →
+//! 4. [`Proxy`] (a `tower::Service` over any request body): the route match; not a write →
+//!    `passthrough` (streaming forward); an ambiguous path → `400`.
+//! 5. `request`: body limits and timeout, JSON, turn, session id → a `WriteRequest`.
+//! 6. `pipeline`: idempotency claim → coalescing queue → lock → merge or forward commit →
 //!    records with the release.
-//! 6. `error`: every refusal or failure of a write made an answer in one place.
+//! 7. `error`: every refusal or failure of a write made an answer in one place.
 
 mod answer;
 mod error;
 mod factory;
+mod layers;
 mod passthrough;
 mod pipeline;
 mod request;
 
 pub use self::error::WriteError;
 pub use self::factory::ProxyFactory;
+pub use self::layers::{stack, RequestMetrics, Stack, StackBody};
 pub use self::pipeline::{Pipeline, Settings as PipelineSettings};
 pub use self::request::{Limits, BODY_READ_TIMEOUT, CONTEXT_REPLACE, IDEMPOTENCY_KEY, SESSION_TURN};
 
@@ -31,13 +38,13 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
+use bytes::Bytes;
 use http::header::{self, HeaderValue};
 use http::{Request, Response, StatusCode};
 use http_body_util::BodyExt;
-use hyper::body::Incoming;
 
-use crate::http::{error, Body};
-use crate::metrics::{ErrorCode, Metrics};
+use crate::http::{error, Body, BoxError};
+use crate::metrics::{ErrorCode, Metrics, RouteName};
 use crate::routes::Routes;
 use crate::upstream::Upstream;
 
@@ -82,11 +89,12 @@ impl Proxy {
         Arc::strong_count(&self.inner) == 1 && self.inner.pipeline.is_idle()
     }
 
-    /// Serves one request from the agent at `peer`.
-    pub async fn handle(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
+    /// Serves one request from the agent at `peer`. The answer names its route
+    /// ([`RouteName`]) for the request metrics layer.
+    pub async fn handle(&self, req: Request<Body>, peer: SocketAddr) -> Response<Body> {
         let inner = &self.inner;
         let path = req.uri().path().to_owned();
-        let (route_name, res) = match inner.routes.find(req.method(), &path) {
+        let (route_name, mut res) = match inner.routes.find(req.method(), &path) {
             Ok(Some((route, session))) => {
                 let _in_flight = inner.metrics.write_in_flight();
                 let (parts, body) = req.into_parts();
@@ -107,8 +115,7 @@ impl Proxy {
                 error(StatusCode::BAD_REQUEST, "ambiguous_path", ambiguous, None),
             ),
         };
-        let code = res.extensions().get::<ErrorCode>().map_or("", |c| c.0);
-        inner.metrics.request(route_name, res.status().as_u16(), code);
+        res.extensions_mut().insert(RouteName(route_name));
         res
     }
 
@@ -117,7 +124,7 @@ impl Proxy {
     /// upgrade headers and, when the store switches protocols, becomes a tunnel copying bytes
     /// both ways. The upstream timeout runs from the end of the client's body to the response
     /// head.
-    async fn forward(&self, mut req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
+    async fn forward(&self, mut req: Request<Body>, peer: SocketAddr) -> Response<Body> {
         let upstream = &self.inner.upstream;
         let upgrade = passthrough::upgrade_requested(req.headers());
         let client_upgrade = upgrade.as_ref().map(|_| hyper::upgrade::on(&mut req));
@@ -137,7 +144,7 @@ impl Proxy {
         append_forwarded_for(&mut parts.headers, peer);
         parts.version = http::Version::HTTP_11;
         let (body, body_sent) = passthrough::Reported::new(body, upstream.timeout());
-        let req = Request::from_parts(parts, body.map_err(Into::into).boxed());
+        let req = Request::from_parts(parts, body.boxed());
         match upstream.forward(req, body_sent).await {
             Ok(mut res) => {
                 let switched = res.status() == StatusCode::SWITCHING_PROTOCOLS;
@@ -159,6 +166,35 @@ impl Proxy {
                 res
             }
         }
+    }
+}
+
+// === impl Proxy as a Service ===
+
+/// The proxy as a `tower::Service` over any request body (hyper's, or one built in memory):
+/// the agent's address comes from the request's [`crate::server::Conn`]; a request without
+/// one (an in-process caller) is taken as coming from loopback.
+impl<B> tower::Service<Request<B>> for Proxy
+where
+    B: http_body::Body<Data = Bytes> + Send + Sync + 'static,
+    B::Error: Into<BoxError>,
+{
+    type Response = Response<Body>;
+    type Error = std::convert::Infallible;
+    type Future = futures_util::future::BoxFuture<'static, Result<Response<Body>, Self::Error>>;
+
+    fn poll_ready(&mut self, _: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), Self::Error>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<B>) -> Self::Future {
+        let this = self.clone();
+        let peer = req
+            .extensions()
+            .get::<crate::server::Conn>()
+            .map_or(SocketAddr::from(([127, 0, 0, 1], 0)), |c| c.peer);
+        let req = req.map(crate::http::boxed);
+        Box::pin(async move { Ok(this.handle(req, peer).await) })
     }
 }
 

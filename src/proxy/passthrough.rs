@@ -9,14 +9,13 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderValue};
 use http_body::{Body as HttpBody, Frame, SizeHint};
-use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use tokio::sync::oneshot;
 
 /// A request body that reports when it has been read to its end (or failed, or was dropped),
 /// and notices a store that stopped taking it.
 pub struct Reported {
-    inner: Incoming,
+    inner: crate::http::Body,
     done: Option<oneshot::Sender<()>>,
     /// When the last frame was handed over and not yet followed by another poll: the store's
     /// side is not taking more. `None` while waiting for the client.
@@ -26,7 +25,7 @@ pub struct Reported {
 impl Reported {
     /// The body, and a future that resolves `true` once the body is complete, or `false` when
     /// the store took no more of it for `stall` although the client had sent more.
-    pub fn new(inner: Incoming, stall: Duration) -> (Self, impl std::future::Future<Output = bool>) {
+    pub fn new(inner: crate::http::Body, stall: Duration) -> (Self, impl std::future::Future<Output = bool>) {
         let (tx, mut rx) = oneshot::channel();
         let handed = Arc::new(Mutex::new(None));
         let mut body = Self {
@@ -70,9 +69,9 @@ fn lock(m: &Mutex<Option<Instant>>) -> std::sync::MutexGuard<'_, Option<Instant>
 
 impl HttpBody for Reported {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = crate::http::BoxError;
 
-    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         *lock(&self.handed) = None;
         let polled = Pin::new(&mut self.inner).poll_frame(cx);
         match &polled {

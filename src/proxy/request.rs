@@ -4,8 +4,7 @@
 use bytes::Bytes;
 use http::header::{self, HeaderMap};
 use http::{Method, StatusCode};
-use http_body_util::{BodyExt, Limited};
-use hyper::body::Incoming;
+use http_body_util::BodyExt;
 use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 
@@ -97,12 +96,27 @@ pub struct Limits {
     pub document: usize,
 }
 
+/// Reads a whole body of at most `max` bytes: `Err(None)` when it is larger, `Err(Some(..))`
+/// when reading failed.
+async fn read_limited(mut body: crate::http::Body, max: usize) -> Result<bytes::Bytes, Option<crate::http::BoxError>> {
+    let mut buf = bytes::BytesMut::new();
+    while let Some(frame) = body.frame().await {
+        if let Ok(data) = frame.map_err(Some)?.into_data() {
+            if buf.len() + data.len() > max {
+                return Err(None);
+            }
+            buf.extend_from_slice(&data);
+        }
+    }
+    Ok(buf.freeze())
+}
+
 /// Parses and validates a write. `limits` bound the body, declared or streamed.
 pub async fn parse(
     route: &Route,
     raw_session: &str,
     parts: &http::request::Parts,
-    body: Incoming,
+    body: crate::http::Body,
     limits: Limits,
 ) -> Result<WriteRequest, Refusal> {
     let max_body = match route.mode {
@@ -149,7 +163,7 @@ pub async fn parse(
     if json_body {
         check_content_type(&parts.headers)?;
     }
-    let bytes = match tokio::time::timeout(BODY_READ_TIMEOUT, Limited::new(body, max_body).collect()).await {
+    let bytes = match tokio::time::timeout(BODY_READ_TIMEOUT, read_limited(body, max_body)).await {
         Err(_) => {
             return Err(Refusal::new(
                 StatusCode::REQUEST_TIMEOUT,
@@ -157,11 +171,9 @@ pub async fn parse(
                 format!("the body was not received within {} s", BODY_READ_TIMEOUT.as_secs()),
             ))
         }
-        Ok(Ok(c)) => c.to_bytes(),
-        Ok(Err(e)) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => {
-            return Err(too_large(max_body))
-        }
-        Ok(Err(e)) => return Err(bad("body_read_failed", format!("could not read the request body: {e}"))),
+        Ok(Ok(bytes)) => bytes,
+        Ok(Err(None)) => return Err(too_large(max_body)),
+        Ok(Err(Some(e))) => return Err(bad("body_read_failed", format!("could not read the request body: {e}"))),
     };
     let header_turn = match parts.headers.get(SESSION_TURN) {
         Some(v) => Some(turn_from_header(v.as_bytes()).map_err(turn_refusal)?),

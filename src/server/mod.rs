@@ -65,7 +65,7 @@ where
 /// Layers around the service, in the order a request meets them: the connection's [`Conn`]
 /// put into the request's extensions; `Connection: close` put on the answer once shutdown
 /// began (the drain).
-pub async fn serve_with<M, S>(
+pub async fn serve_with<M, S, B>(
     listener: TcpListener,
     make: M,
     original_dst: bool,
@@ -73,8 +73,10 @@ pub async fn serve_with<M, S>(
     grace: Duration,
 ) where
     M: Fn(Conn) -> S + Send + 'static,
-    S: Service<Request<Incoming>, Response = Response<Body>, Error = Infallible> + Clone + Send + 'static,
+    S: Service<Request<Incoming>, Response = Response<B>, Error = Infallible> + Clone + Send + 'static,
     S::Future: Send + 'static,
+    B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    B::Error: Into<crate::http::BoxError>,
 {
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder
@@ -188,14 +190,14 @@ impl<S> tower::Layer<S> for ConnectionLayer {
 
 // === impl Connection ===
 
-impl<S, B> Service<Request<B>> for Connection<S>
+impl<S, B, R> Service<Request<B>> for Connection<S>
 where
-    S: Service<Request<B>, Response = Response<Body>, Error = Infallible>,
+    S: Service<Request<B>, Response = Response<R>, Error = Infallible>,
     S::Future: Send + 'static,
 {
-    type Response = Response<Body>;
+    type Response = Response<R>;
     type Error = Infallible;
-    type Future = futures_util::future::BoxFuture<'static, Result<Response<Body>, Infallible>>;
+    type Future = futures_util::future::BoxFuture<'static, Result<Response<R>, Infallible>>;
 
     fn poll_ready(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), Infallible>> {
         self.inner.poll_ready(cx)
@@ -223,7 +225,7 @@ pub fn linger(grace: Duration) -> Duration {
 }
 
 /// Marks a response as the connection's last.
-fn close_after(res: &mut Response<Body>) {
+fn close_after<B>(res: &mut Response<B>) {
     res.headers_mut()
         .insert(http::header::CONNECTION, http::HeaderValue::from_static("close"));
 }

@@ -21,6 +21,7 @@ mod hostile_input;
 mod inject_webhook;
 mod operability;
 mod passthrough;
+mod proxy_service;
 mod release_records;
 mod route_matching;
 mod soak;
