@@ -1207,11 +1207,13 @@ mod tests {
             let mut history = vec![start];
             let mut last_writer_of: HashMap<usize, usize> = HashMap::new();
             let mut expected: HashMap<usize, Value> = HashMap::new();
-            for (target, lag, value) in plan {
+            for (step, (target, lag, value)) in plan.into_iter().enumerate() {
                 let cur = history.last().unwrap().clone();
                 let idx = history.len().saturating_sub(1 + lag);
                 let read = history[idx].clone();
-                let text = json!(format!("v{value}"));
+                // Each edit writes a text never written before: a value that comes back to one a
+                // copy holds (A → B → A) is, by value, no change, and three-way merges by value.
+                let text = json!(format!("v{value}-{step}"));
                 let mut messages = messages_of(&read).to_vec();
                 messages[target]["content"] = text.clone();
                 let result = put(&cur, with_messages(&read, messages), &read);
