@@ -519,6 +519,36 @@ async fn a_write_asks_for_a_shorter_wait_and_never_a_longer_one() {
 }
 
 #[tokio::test]
+async fn a_write_that_loses_the_race_to_another_turn_is_re_merged_not_answered_write_conflict() {
+    let redis = RedisServer::start();
+    let store = store().await;
+    // Every write-back takes 150 ms, longer than the re-reads one grant allows (half a lease).
+    let slow = front_store(store.addr, PutDelay::Every(Duration::from_millis(150))).await;
+    let mut args = proxy_args(slow, Some(&redis));
+    args.lock_ttl_ms = 200;
+    let (a, b) = (proxy(args.clone()).await, proxy(args).await);
+    let seed = append_ids(&client(a.addr), "race", 1, &["seed"]).await;
+    assert_eq!(seed.status, StatusCode::CREATED, "{}", seed.json);
+    // Turn 2 on B reads the document before turn 1's write-back on A lands, and writes after it.
+    let first = {
+        let agent = client(a.addr);
+        tokio::spawn(async move { append_ids(&agent, "race", 1, &["one"]).await })
+    };
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let second = append_ids(&client(b.addr), "race", 2, &["two"]).await;
+    let first = first.await.expect("first writer");
+    assert_eq!(first.status, StatusCode::OK, "{}", first.json);
+    assert_eq!(second.status, StatusCode::OK, "{}", second.json);
+    let ids = message_ids(&get_doc(&client(store.addr), "race").await.json);
+    assert_eq!(ids, ["seed", "one", "two"]);
+    let requeued: f64 = [&a, &b]
+        .iter()
+        .map(|p| metric(&p.metrics.encode(), "turnlock_writes_requeued_total"))
+        .sum();
+    assert!(requeued >= 1.0, "no write was queued again");
+}
+
+#[tokio::test]
 async fn an_expired_lease_of_a_dead_holder_is_taken_over() {
     let redis = RedisServer::start();
     let store = store().await;

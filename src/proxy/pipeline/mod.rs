@@ -315,6 +315,7 @@ async fn lead_queue(s: Arc<Shared>, queue: Arc<Queue>, queue_key: String) {
                     }
                 }
                 if !retry.is_empty() {
+                    s.metrics.requeued(retry.len());
                     queue.requeue(retry);
                     tokio::time::sleep(REQUEUE_PAUSE).await;
                 }
