@@ -29,7 +29,10 @@ pub struct ProxyArgs {
     /// Serve /metrics to callers other than loopback (probes are always served).
     #[arg(long, env = "TURNLOCK_ADMIN_PUBLIC_METRICS", value_parser = BoolishValueParser::new())]
     pub admin_public_metrics: bool,
-    /// How long a write may wait for its session's lock, in milliseconds.
+    /// How long a leader waits for its session's lock in one round, in milliseconds, before
+    /// it answers the writes past their wait deadline and lets the session's other turns take
+    /// their turn; also how long a holder waits for another turn's commit in flight. A write
+    /// itself waits until its `--wait-deadline-ms`.
     #[arg(long, env = "TURNLOCK_LOCK_BUDGET_MS", default_value_t = 50)]
     pub lock_budget_ms: u64,
     /// Lock lease, in milliseconds; renewed while a slow write holds it.
@@ -95,7 +98,17 @@ pub struct ProxyArgs {
     /// the store's (or its load balancer's) own idle timeout.
     #[arg(long, env = "TURNLOCK_UPSTREAM_IDLE_TIMEOUT_MS", default_value_t = 30_000)]
     pub upstream_idle_timeout_ms: u64,
+    /// How long a write may queue for its turn (the lock, the commit slot, re-reads after a
+    /// conflict), in milliseconds, before it is answered `session_busy`. A request may ask
+    /// for a shorter wait with `X-Wait-Deadline-Ms`.
+    #[arg(long, env = "TURNLOCK_WAIT_DEADLINE_MS", default_value_t = DEFAULT_WAIT_DEADLINE_MS)]
+    pub wait_deadline_ms: u64,
 }
+
+/// The default wait deadline: room for a few dozen read-merge-writes (tens of ms each) of
+/// one session queued ahead, below the store timeout (5 s) so that a client that gives up
+/// with it (and the idempotency claim of a waiting write) outlasts the wait.
+pub const DEFAULT_WAIT_DEADLINE_MS: u64 = 3000;
 
 /// Longest lock lease accepted: a lease is renewed while held, so a longer one only delays
 /// recovery from a crashed holder.
@@ -157,6 +170,9 @@ impl ProxyArgs {
         let err = |m: &str| Err(ConfigError(m.to_owned()));
         if self.lock_budget_ms == 0 {
             return err("--lock-budget-ms must be at least 1");
+        }
+        if self.wait_deadline_ms == 0 || self.wait_deadline_ms > MAX_LOCK_BUDGET_MS {
+            return err("--wait-deadline-ms must be between 1 and 60000");
         }
         if self.session_ttl_secs == 0 || self.session_ttl_secs > MAX_SESSION_TTL_SECS {
             return err("--session-ttl-secs must be between 1 and 315360000 (ten years)");
@@ -243,6 +259,7 @@ impl ProxyArgs {
             max_document_bytes: 8 * 1024 * 1024,
             upstream_max_connections: 256,
             upstream_idle_timeout_ms: 30_000,
+            wait_deadline_ms: DEFAULT_WAIT_DEADLINE_MS,
         }
     }
 }

@@ -125,6 +125,7 @@ struct Inner {
     lock_hold: Histogram,
     lock_renewals: Family<Outcome, Counter>,
     stale: Counter,
+    requeued: Counter,
     replays: Counter,
     batch_size: Histogram,
     upstream: Family<Op, Histogram>,
@@ -183,6 +184,12 @@ impl Metrics {
             "stale_rejections",
             "Writes refused because their turn was older than the stored turn",
             stale.clone(),
+        );
+        let requeued = Counter::default();
+        registry.register(
+            "writes_requeued",
+            "Writes queued again after meeting another turn's commit, to be re-read and re-merged",
+            requeued.clone(),
         );
         let replays = Counter::default();
         registry.register(
@@ -269,6 +276,7 @@ impl Metrics {
                 lock_hold,
                 lock_renewals,
                 stale,
+                requeued,
                 replays,
                 batch_size,
                 upstream,
@@ -299,6 +307,10 @@ impl Metrics {
 
     pub fn stale_rejected(&self) {
         self.inner.stale.inc();
+    }
+
+    pub fn requeued(&self, writes: usize) {
+        self.inner.requeued.inc_by(writes as u64);
     }
 
     pub fn idempotent_replay(&self) {

@@ -107,6 +107,7 @@ fn assemble(args: &ProxyArgs) -> Result<Assembled, StartError> {
         metrics: metrics.clone(),
         settings: PipelineSettings {
             budget: Duration::from_millis(args.lock_budget_ms),
+            wait: Duration::from_millis(args.wait_deadline_ms),
             idempotency_ttl: Duration::from_secs(args.idempotency_ttl_secs),
             history_ttl: Duration::from_secs(args.history_ttl_secs),
             max_batch: args.max_batch,

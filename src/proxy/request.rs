@@ -16,6 +16,10 @@ use crate::session::{resolve_turn, turn_from_header, turn_from_json, SessionId, 
 pub const SESSION_TURN: &str = "x-session-turn";
 pub const CONTEXT_REPLACE: &str = "x-context-replace";
 pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
+/// A shorter wait deadline for one write, in milliseconds (never longer than the configured one).
+pub const WAIT_DEADLINE: &str = "x-wait-deadline-ms";
+/// Longest wait a request may ask for (a longer one is cut to the configured deadline anyway).
+const MAX_WAIT_DEADLINE_MS: u64 = 600_000;
 const MAX_IDEMPOTENCY_KEY_LEN: usize = 255;
 /// How long a client may take to send a write's body: a trickling client is cut off with 408.
 pub const BODY_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
@@ -28,6 +32,8 @@ pub struct WriteRequest {
     pub route: &'static str,
     pub action: Action,
     pub idempotency: Option<Idempotency>,
+    /// The wait the request asked for with `X-Wait-Deadline-Ms`, if any.
+    pub wait: Option<std::time::Duration>,
 }
 
 #[derive(Debug)]
@@ -124,6 +130,7 @@ pub async fn parse(
         _ => limits.body,
     };
     let session = SessionId::parse(raw_session).map_err(|e| bad("invalid_session_id", e))?;
+    let wait = wait_deadline(&parts.headers)?;
     if let Mode::Merge {
         kind: Kind::Delete,
         document,
@@ -138,6 +145,7 @@ pub async fn parse(
                 headers: parts.headers.clone(),
             },
             idempotency: None,
+            wait,
             session,
         });
     }
@@ -297,7 +305,22 @@ pub async fn parse(
         route: route.name,
         action,
         idempotency,
+        wait,
     })
+}
+
+/// The wait deadline a request asks for: whole milliseconds, at least 1.
+fn wait_deadline(headers: &HeaderMap) -> Result<Option<std::time::Duration>, Refusal> {
+    let Some(v) = headers.get(WAIT_DEADLINE) else {
+        return Ok(None);
+    };
+    match v.to_str().ok().and_then(|v| v.trim().parse::<u64>().ok()) {
+        Some(ms) if (1..=MAX_WAIT_DEADLINE_MS).contains(&ms) => Ok(Some(std::time::Duration::from_millis(ms))),
+        _ => Err(bad(
+            "invalid_wait_deadline",
+            format!("X-Wait-Deadline-Ms must be whole milliseconds from 1 to {MAX_WAIT_DEADLINE_MS}"),
+        )),
+    }
 }
 
 fn build_op(

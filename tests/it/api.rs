@@ -445,10 +445,12 @@ async fn idempotency_key_replays_the_first_answer_and_refuses_reuse() {
 }
 
 #[tokio::test]
-async fn lock_not_obtained_within_the_budget_is_session_busy_with_retry_after() {
+async fn lock_not_obtained_within_the_wait_deadline_is_session_busy_with_retry_after() {
     let redis = RedisServer::start();
     let store = store().await;
-    let proxy = proxy(proxy_args(store.addr, Some(&redis))).await;
+    let mut args = proxy_args(store.addr, Some(&redis));
+    args.wait_deadline_ms = 400;
+    let proxy = proxy(args).await;
     // Another owner holds the lock of turn 1 of this session.
     redis.cmd(&["SET", "turnlock:session:{busy}:1", "someone-else", "PX", "5000"]);
     let started = std::time::Instant::now();
@@ -458,7 +460,12 @@ async fn lock_not_obtained_within_the_budget_is_session_busy_with_retry_after() 
         (StatusCode::SERVICE_UNAVAILABLE, Some("session_busy"))
     );
     assert!(r.headers.contains_key("retry-after"));
-    assert!(started.elapsed() < Duration::from_secs(2), "waited far past the budget");
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_millis(350),
+        "answered busy after {waited:?}, before the wait deadline (many lock budgets)"
+    );
+    assert!(waited < Duration::from_secs(2), "waited far past the wait deadline");
     assert_eq!(get_doc(&client(store.addr), "busy").await.status, StatusCode::NOT_FOUND);
     // Another turn of the same session is a different lock.
     assert_eq!(
@@ -468,12 +475,85 @@ async fn lock_not_obtained_within_the_budget_is_session_busy_with_retry_after() 
 }
 
 #[tokio::test]
-async fn an_expired_lease_of_a_dead_holder_is_taken_over() {
+async fn a_write_asks_for_a_shorter_wait_and_never_a_longer_one() {
     let redis = RedisServer::start();
     let store = store().await;
     let mut args = proxy_args(store.addr, Some(&redis));
-    args.lock_budget_ms = 3000;
+    args.wait_deadline_ms = 600;
     let proxy = proxy(args).await;
+    let agent = client(proxy.addr);
+    redis.cmd(&["SET", "turnlock:session:{short}:1", "someone-else", "PX", "5000"]);
+    let body = json!({"turn": 1, "messages": [{"role": "user", "content": "x"}]});
+    let path = "/v1/sessions/short/messages";
+    for (asked, at_least, below) in [("100", 80, 450), ("60000", 550, 2000)] {
+        let started = std::time::Instant::now();
+        let r = send(
+            &agent,
+            Method::POST,
+            path,
+            body.clone(),
+            &[("x-wait-deadline-ms", asked.into())],
+        )
+        .await;
+        let waited = started.elapsed();
+        assert_eq!(r.json["error"], "session_busy", "{}", r.json);
+        assert!(
+            waited >= Duration::from_millis(at_least) && waited < Duration::from_millis(below),
+            "asked for {asked} ms, answered after {waited:?}"
+        );
+    }
+    for bad in ["0", "soon", "-5"] {
+        let r = send(
+            &agent,
+            Method::POST,
+            path,
+            body.clone(),
+            &[("x-wait-deadline-ms", bad.into())],
+        )
+        .await;
+        assert_eq!(
+            (r.status, r.json["error"].as_str()),
+            (StatusCode::BAD_REQUEST, Some("invalid_wait_deadline"))
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_write_that_loses_the_race_to_another_turn_is_re_merged_not_answered_write_conflict() {
+    let redis = RedisServer::start();
+    let store = store().await;
+    // Every write-back takes 150 ms, longer than the re-reads one grant allows (half a lease).
+    let slow = front_store(store.addr, PutDelay::Every(Duration::from_millis(150))).await;
+    let mut args = proxy_args(slow, Some(&redis));
+    args.lock_ttl_ms = 200;
+    let (a, b) = (proxy(args.clone()).await, proxy(args).await);
+    let seed = append_ids(&client(a.addr), "race", 1, &["seed"]).await;
+    assert_eq!(seed.status, StatusCode::CREATED, "{}", seed.json);
+    // Turn 2 on B reads the document before turn 1's write-back on A lands, and writes after it.
+    let first = {
+        let agent = client(a.addr);
+        tokio::spawn(async move { append_ids(&agent, "race", 1, &["one"]).await })
+    };
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let second = append_ids(&client(b.addr), "race", 2, &["two"]).await;
+    let first = first.await.expect("first writer");
+    assert_eq!(first.status, StatusCode::OK, "{}", first.json);
+    assert_eq!(second.status, StatusCode::OK, "{}", second.json);
+    let ids = message_ids(&get_doc(&client(store.addr), "race").await.json);
+    assert_eq!(ids, ["seed", "one", "two"]);
+    let requeued: f64 = [&a, &b]
+        .iter()
+        .map(|p| metric(&p.metrics.encode(), "turnlock_writes_requeued_total"))
+        .sum();
+    assert!(requeued >= 1.0, "no write was queued again");
+}
+
+#[tokio::test]
+async fn an_expired_lease_of_a_dead_holder_is_taken_over() {
+    let redis = RedisServer::start();
+    let store = store().await;
+    // With the default wait deadline: the write waits out the dead holder's lease.
+    let proxy = proxy(proxy_args(store.addr, Some(&redis))).await;
     redis.cmd(&["SET", "turnlock:session:{dead}:1", "crashed-owner", "PX", "400"]);
     let started = std::time::Instant::now();
     let r = append_ids(&client(proxy.addr), "dead", 1, &["x"]).await;

@@ -79,6 +79,8 @@ fn values_that_would_break_writes_are_refused_with_64_and_no_secret() {
         (vec!["proxy", "--upstream-timeout-ms", "0"], "--upstream-timeout-ms"),
         (vec!["proxy", "--lock-ttl-ms", "18446744073709551615"], "--lock-ttl-ms"),
         (vec!["proxy", "--lock-budget-ms", "999999999"], "--lock-budget-ms"),
+        (vec!["proxy", "--wait-deadline-ms", "0"], "--wait-deadline-ms"),
+        (vec!["proxy", "--wait-deadline-ms", "60001"], "--wait-deadline-ms"),
         (
             vec!["proxy", "--upstream-max-connections", "0"],
             "--upstream-max-connections",

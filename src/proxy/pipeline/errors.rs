@@ -9,13 +9,14 @@ use crate::merge::MergeError;
 use crate::proxy::answer::Answer;
 use crate::proxy::error::WriteError;
 
-/// The answer to a write whose budget ran out: `lock_unavailable` when Redis left its
-/// commands unanswered all that time (a hung server is not contention), else `session_busy`.
-pub(super) fn unanswered(locks: &Locks, budget: Duration) -> Answer {
+/// The answer to a write whose wait deadline (`waited` long) passed: `lock_unavailable` when
+/// Redis has left its commands unanswered for half the lock budget (a hung server is not
+/// contention), else `session_busy`.
+pub(super) fn unanswered(locks: &Locks, budget: Duration, waited: Duration) -> Answer {
     if locks.stalled(budget / 2) {
         Answer::from(WriteError::LockStalled(budget))
     } else {
-        Answer::from(WriteError::SessionBusy(budget))
+        Answer::from(WriteError::SessionBusy(waited))
     }
 }
 

@@ -21,7 +21,7 @@ impl Pipeline {
         let s = &self.shared;
         let round_trips = 2 * (MAX_ATTEMPTS + 1);
         s.locks.settings().lease * 2
-            + s.settings.budget
+            + s.settings.wait
             + s.settings.upstream_timeout * round_trips
             + Duration::from_secs(10)
     }
@@ -78,10 +78,9 @@ pub(super) enum Claim {
 /// lock's release: its answer when final, else nothing (a retry may apply it).
 pub(super) fn results<'a>(
     s: &'a Shared,
-    batch: &'a [Pending],
-    answers: &'a [Answer],
+    settled: impl Iterator<Item = (&'a Pending, &'a Answer)> + 'a,
 ) -> impl Iterator<Item = Entry> + 'a {
-    batch.iter().zip(answers).filter_map(|(p, a)| {
+    settled.filter_map(|(p, a)| {
         let idem = p.write.idempotency.as_ref()?;
         let (key, claim) = p.claim.clone()?;
         // A serialized write whose outcome is unknown cannot be made idempotent by turnlock

@@ -4,8 +4,13 @@
 //! Writes to one lock key (`session:<id>:<turn>`) that wait in this process form a queue; only
 //! its leader competes for the lock. Once granted, the leader takes every queued write, reads
 //! the document once, merges the writes one after another, writes the result back once under
-//! the store's `If-Match`, and answers each write on its own (group commit). A write waits at
-//! most its budget for the lock, then gets `session_busy`.
+//! the store's `If-Match`, and answers each write on its own (group commit). A write waits its
+//! turn until its wait deadline (`--wait-deadline-ms`, or shorter per request), then gets
+//! `session_busy`: load shedding, not the answer to ordinary contention. The leader competes
+//! for the lock in rounds of `--lock-budget-ms`, answering the writes past their deadline
+//! between rounds. A write that met another turn's commit (the document moved, or its commit
+//! slot stayed taken) is queued again at the front, and re-read and re-merged under a later
+//! grant, within its deadline.
 //!
 //! Writers of different turns hold different locks. Their commits of one document are
 //! ordered by the document's commit slot in Redis (see `slot_take.lua`): taken before the
@@ -50,9 +55,18 @@ use self::queue::{lock, Pending, Queue, QueueState};
 /// of another turn moved it.
 const MAX_ATTEMPTS: u32 = 4;
 
+/// The pause before a batch queued again after meeting another turn's commit competes again:
+/// that commit is in flight, and needs a store round trip to land.
+const REQUEUE_PAUSE: Duration = Duration::from_millis(2);
+
 #[derive(Clone, Debug)]
 pub struct Settings {
+    /// How long a leader competes for the lock in one round (and a holder waits for another
+    /// turn's commit in flight) before it steps back; also how long Redis may leave commands
+    /// unanswered before a write past its deadline is told `lock_unavailable`.
     pub budget: Duration,
+    /// How long a write may wait for its turn before it is answered `session_busy`.
+    pub wait: Duration,
     pub idempotency_ttl: Duration,
     pub history_ttl: Duration,
     pub max_batch: usize,
@@ -130,7 +144,8 @@ impl Pipeline {
     /// Runs one write to its answer.
     pub async fn submit(&self, write: WriteRequest) -> Answer {
         let s = &self.shared;
-        let deadline = Instant::now() + s.settings.budget;
+        let wait = write.wait.map_or(s.settings.wait, |w| w.min(s.settings.wait));
+        let deadline = Instant::now() + wait;
         let idem = write
             .idempotency
             .as_ref()
@@ -142,7 +157,7 @@ impl Pipeline {
                 Claim::Answered(answer) => return answer,
             }
         }
-        let answer = self.enqueue(write, deadline, claim.clone()).await;
+        let answer = self.enqueue(write, deadline, wait, claim.clone()).await;
         if let Some((key, value)) = &claim {
             if !answer.is_final() {
                 // Not recorded: let a retry apply it. Only this request's own claim is dropped
@@ -156,7 +171,13 @@ impl Pipeline {
         answer
     }
 
-    async fn enqueue(&self, write: WriteRequest, deadline: Instant, claim: Option<(String, Bytes)>) -> Answer {
+    async fn enqueue(
+        &self,
+        write: WriteRequest,
+        deadline: Instant,
+        wait: Duration,
+        claim: Option<(String, Bytes)>,
+    ) -> Answer {
         let s = &self.shared;
         let lock_key = s.keys.lock(&write.session, write.turn);
         let (queue_key, protected) = match &write.action {
@@ -190,6 +211,7 @@ impl Pipeline {
                 write,
                 claim,
                 deadline,
+                wait,
                 reply: tx,
             });
             !std::mem::replace(&mut st.leading, true)
@@ -207,7 +229,7 @@ impl Pipeline {
             Ok(Err(_)) => Answer::from(WriteError::Internal("the write was dropped")),
             Err(_) => {
                 if queue.withdraw(id) {
-                    unanswered(&s.locks, s.settings.budget)
+                    unanswered(&s.locks, s.settings.budget, wait)
                 } else {
                     // Already taken into a batch under the lock: its answer is coming.
                     rx.await
@@ -221,7 +243,9 @@ impl Pipeline {
 async fn lead_queue(s: Arc<Shared>, queue: Arc<Queue>, queue_key: String) {
     let fence_key = s.keys.fence_token(&queue.session);
     let mut dropped = Vec::new();
-    while let Some(deadline) = queue.next_deadline(|| unanswered(&s.locks, s.settings.budget), &mut dropped) {
+    while let Some(deadline) =
+        queue.next_deadline(|waited| unanswered(&s.locks, s.settings.budget, waited), &mut dropped)
+    {
         for (key, claim) in dropped.drain(..) {
             let _ = s
                 .records
@@ -232,7 +256,10 @@ async fn lead_queue(s: Arc<Shared>, queue: Arc<Queue>, queue_key: String) {
         let Ok(_turn) = tokio::time::timeout_at(deadline, gate.lock_owned()).await else {
             continue;
         };
-        match s.locks.acquire(&queue.lock_key, &fence_key, deadline, &s.metrics).await {
+        // One round: the writes past their deadline are answered between rounds, and the
+        // session's other turns waiting at the gate get their turn.
+        let round = deadline.min(Instant::now() + s.settings.budget);
+        match s.locks.acquire(&queue.lock_key, &fence_key, round, &s.metrics).await {
             Err(LockError::Busy(_)) => continue,
             Err(LockError::Backend(e)) => {
                 if let Some(suppressed) = crate::telemetry::warn_allowed("lock backend unavailable") {
@@ -257,7 +284,7 @@ async fn lead_queue(s: Arc<Shared>, queue: Arc<Queue>, queue_key: String) {
                     batch = batch.len(),
                     outcome = tracing::field::Empty,
                 );
-                let (answers, records) = commit(&s, &queue, &lease, &batch).instrument(span.clone()).await;
+                let (answers, records, again) = commit(&s, &queue, &lease, &batch).instrument(span.clone()).await;
                 let ok = answers.iter().filter(|a| a.status.is_success()).count();
                 span.record(
                     "outcome",
@@ -279,8 +306,18 @@ async fn lead_queue(s: Arc<Shared>, queue: Arc<Queue>, queue_key: String) {
                     }
                     lease.release(&s.metrics).await;
                 }
-                for (p, a) in batch.into_iter().zip(answers) {
-                    let _ = p.reply.send(a);
+                let mut retry = Vec::new();
+                for ((p, a), again) in batch.into_iter().zip(answers).zip(again) {
+                    if again {
+                        retry.push(p);
+                    } else {
+                        let _ = p.reply.send(a);
+                    }
+                }
+                if !retry.is_empty() {
+                    s.metrics.requeued(retry.len());
+                    queue.requeue(retry);
+                    tokio::time::sleep(REQUEUE_PAUSE).await;
                 }
             }
         }
@@ -291,15 +328,35 @@ async fn lead_queue(s: Arc<Shared>, queue: Arc<Queue>, queue_key: String) {
 }
 
 /// Everything done under one grant: the read-merge-write (or the serialized forwards). Returns
-/// one answer per write, in order, and the records to store before the lock is released (the
-/// version snapshot of what was written, the idempotency results).
-async fn commit(s: &Shared, queue: &Queue, lease: &Lease, batch: &[Pending]) -> (Vec<Answer>, Vec<Entry>) {
+/// one answer per write, in order, the records to store before the lock is released (the
+/// version snapshot of what was written, the idempotency results), and which writes are to be
+/// queued again instead of answered (see [`conflicted`]).
+async fn commit(s: &Shared, queue: &Queue, lease: &Lease, batch: &[Pending]) -> (Vec<Answer>, Vec<Entry>, Vec<bool>) {
     let mut records = Vec::new();
     let answers = match &batch[0].write.action {
         Action::Merge { document, .. } => merge_batch(s, queue, lease, batch, document, &mut records).await,
         Action::Serialize { .. } => serialize_batch(s, queue, lease, batch).await,
         Action::Delete { document, .. } => delete_batch(s, queue, lease, batch, document).await,
     };
-    records.extend(idempotency::results(s, batch, &answers));
-    (answers, records)
+    let now = Instant::now();
+    let again: Vec<bool> = batch
+        .iter()
+        .zip(&answers)
+        .map(|(p, a)| p.deadline > now + REQUEUE_PAUSE && conflicted(a))
+        .collect();
+    let settled = batch
+        .iter()
+        .zip(&answers)
+        .zip(&again)
+        .filter(|(_, again)| !**again)
+        .map(|(pa, _)| pa);
+    records.extend(idempotency::results(s, settled));
+    (answers, records, again)
+}
+
+/// Whether an answer says that another turn's commit came first (`write_conflict`: the
+/// document moved past every re-read, or its commit slot stayed taken). Nothing was written
+/// for such a write: it is queued again, to be re-read and re-merged under a later grant.
+fn conflicted(a: &Answer) -> bool {
+    a.status == http::StatusCode::SERVICE_UNAVAILABLE && a.code() == "write_conflict"
 }

@@ -33,6 +33,8 @@ pub(super) struct Pending {
     /// The idempotency record's key and the claim it holds, when the write has a key.
     pub(super) claim: Option<(String, Bytes)>,
     pub(super) deadline: Instant,
+    /// How long the write may wait in all (its deadline, from when it was queued).
+    pub(super) wait: std::time::Duration,
     pub(super) reply: oneshot::Sender<Answer>,
 }
 
@@ -56,7 +58,7 @@ impl Queue {
     /// are added to `dropped`: nothing was written for them, and their clients may be gone.
     pub(super) fn next_deadline(
         &self,
-        expired: impl Fn() -> Answer,
+        expired: impl Fn(std::time::Duration) -> Answer,
         dropped: &mut Vec<(String, Bytes)>,
     ) -> Option<Instant> {
         let mut st = lock(&self.state);
@@ -65,7 +67,7 @@ impl Queue {
         st.pending = keep;
         for p in due {
             dropped.extend(p.claim);
-            let _ = p.reply.send(expired());
+            let _ = p.reply.send(expired(p.wait));
         }
         let latest = st.pending.iter().map(|p| p.deadline).max();
         if latest.is_none() {
@@ -78,6 +80,14 @@ impl Queue {
         let mut st = lock(&self.state);
         let n = st.pending.len().min(max);
         st.pending.drain(..n).collect()
+    }
+
+    /// Puts writes taken into a batch back at the front of the queue, in their order.
+    pub(super) fn requeue(&self, writes: Vec<Pending>) {
+        let mut st = lock(&self.state);
+        for p in writes.into_iter().rev() {
+            st.pending.push_front(p);
+        }
     }
 
     pub(super) fn fail_all(&self, answer: &Answer) {
@@ -128,12 +138,14 @@ mod tests {
                 document: "/v1/sessions/s-1".into(),
             },
             idempotency: None,
+            wait: None,
         };
         lock(&q.state).pending.push_back(Pending {
             id,
             write,
             claim: Some((format!("claim-{id}"), Bytes::new())),
             deadline,
+            wait: Duration::from_secs(60),
             reply,
         });
         rx
@@ -172,10 +184,7 @@ mod tests {
         let mut late = push(&q, 1, now - Duration::from_millis(1));
         let _waiting = push(&q, 2, now + Duration::from_secs(5));
         let mut dropped = Vec::new();
-        let next = q.next_deadline(
-            || Answer::from(WriteError::SessionBusy(Duration::from_millis(50))),
-            &mut dropped,
-        );
+        let next = q.next_deadline(|waited| Answer::from(WriteError::SessionBusy(waited)), &mut dropped);
         assert_eq!(next, Some(now + Duration::from_secs(5)));
         let answer = late.try_recv().expect("the late write is answered");
         assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
@@ -190,10 +199,7 @@ mod tests {
         lock(&q.state).leading = true;
         assert!(!q.is_idle());
         assert_eq!(
-            q.next_deadline(
-                || Answer::from(WriteError::SessionBusy(Duration::from_millis(50))),
-                &mut Vec::new()
-            ),
+            q.next_deadline(|waited| Answer::from(WriteError::SessionBusy(waited)), &mut Vec::new()),
             None
         );
         assert!(q.is_idle());

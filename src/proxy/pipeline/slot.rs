@@ -34,13 +34,14 @@ impl SlotHold {
 
     /// Takes the slot, or extends it when it was taken more than half a lease ago, so that
     /// it outlives a write-back started now (the slot lives the store timeout plus a lease).
-    /// Waits for another writer's commit in flight for half a lease at the most.
+    /// Waits for another writer's commit in flight for the lock budget (at most half a lease):
+    /// the lock is held meanwhile. A write that gives up is queued again (`write_conflict`).
     pub(super) async fn hold(&mut self, s: &Shared, lease: &Lease) -> Result<(), Answer> {
         let half = s.locks.settings().lease / 2;
         if self.since.is_some_and(|t| t.elapsed() < half) {
             return Ok(());
         }
-        let give_up = Instant::now() + half;
+        let give_up = Instant::now() + half.min(s.settings.budget);
         let mut pause = Duration::from_millis(1);
         loop {
             let sent = Instant::now();

@@ -268,9 +268,13 @@ pub fn client(addr: SocketAddr) -> JsonClient {
     JsonClient::new(format!("http://{addr}"))
 }
 
-/// The `turnlock` binary built for these tests.
+/// The `turnlock` binary built for these tests, or the one `TURNLOCK_IT_BIN` names (to run
+/// the process tests against another build, for comparison).
 pub fn turnlock_bin() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_turnlock"))
+    std::env::var_os("TURNLOCK_IT_BIN")
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_turnlock")))
 }
 
 /// A `turnlock` process, killed on drop.
