@@ -15,8 +15,10 @@ pub const UPSTREAM: &str = "turnlock.dev/upstream";
 pub const STORE_URL_ENV: &str = "turnlock.dev/store-url-env";
 /// Comma-separated agent containers to point at the sidecar (default: all of them).
 pub const CONTAINERS: &str = "turnlock.dev/containers";
-/// How long a write may wait for its session's lock, in milliseconds.
+/// The sidecar's hold budget (`--lock-budget-ms`), in milliseconds.
 pub const LOCK_BUDGET_MS: &str = "turnlock.dev/lock-budget-ms";
+/// How long a write may wait for its turn (`--wait-deadline-ms`), in milliseconds.
+pub const WAIT_DEADLINE_MS: &str = "turnlock.dev/wait-deadline-ms";
 /// The Redis URL given to the sidecar.
 pub const REDIS_URL: &str = "turnlock.dev/redis-url";
 /// A Secret key holding the Redis URL, as `<secret-name>/<key>`.
@@ -61,6 +63,7 @@ pub struct Settings {
     pub upstream: Option<String>,
     pub redis: RedisSource,
     pub lock_budget_ms: Option<u64>,
+    pub wait_deadline_ms: Option<u64>,
     pub store_url_env: Option<String>,
     pub containers: Option<Vec<String>>,
     pub resources: Resources,
@@ -110,18 +113,8 @@ pub fn resolve(annotations: &BTreeMap<String, String>, defaults: &WebhookArgs) -
         },
     };
 
-    let lock_budget_ms = match get(LOCK_BUDGET_MS) {
-        None => None,
-        Some(v) => match v.parse::<u64>() {
-            Ok(n) if n > 0 => Some(n),
-            _ => {
-                return Err(invalid(
-                    LOCK_BUDGET_MS,
-                    format!("{v:?} is not a positive number of milliseconds"),
-                ))
-            }
-        },
-    };
+    let lock_budget_ms = millis(LOCK_BUDGET_MS, get(LOCK_BUDGET_MS))?;
+    let wait_deadline_ms = millis(WAIT_DEADLINE_MS, get(WAIT_DEADLINE_MS))?;
 
     let store_url_env = get(STORE_URL_ENV).or_else(|| defaults.store_url_env.clone());
     if let Some(name) = &store_url_env {
@@ -199,6 +192,7 @@ pub fn resolve(annotations: &BTreeMap<String, String>, defaults: &WebhookArgs) -
         upstream,
         redis,
         lock_budget_ms,
+        wait_deadline_ms,
         store_url_env,
         containers,
         resources,
@@ -206,6 +200,19 @@ pub fn resolve(annotations: &BTreeMap<String, String>, defaults: &WebhookArgs) -
         native,
         transparent,
     })
+}
+
+/// A millisecond setting the sidecar accepts: 1 to 60000 (the bounds of its own flags, so an
+/// annotated pod never gets a sidecar that refuses to start).
+fn millis(annotation: &'static str, value: Option<String>) -> Result<Option<u64>, InvalidAnnotation> {
+    let Some(v) = value else { return Ok(None) };
+    match v.parse::<u64>() {
+        Ok(n) if (1..=60_000).contains(&n) => Ok(Some(n)),
+        _ => Err(invalid(
+            annotation,
+            format!("{v:?} is not a number of milliseconds from 1 to 60000"),
+        )),
+    }
 }
 
 fn invalid(key: &'static str, reason: String) -> InvalidAnnotation {
@@ -342,6 +349,7 @@ mod tests {
             &map(&[
                 (UPSTREAM, "http://other:9000"),
                 (LOCK_BUDGET_MS, "80"),
+                (WAIT_DEADLINE_MS, "5000"),
                 (REDIS_SECRET, "redis-auth/url"),
                 (MEMORY_LIMIT, "256Mi"),
                 (LOG_LEVEL, "turnlock=debug"),
@@ -352,6 +360,7 @@ mod tests {
         .unwrap();
         assert_eq!(s.upstream.as_deref(), Some("http://other:9000"));
         assert_eq!(s.lock_budget_ms, Some(80));
+        assert_eq!(s.wait_deadline_ms, Some(5000));
         assert_eq!(
             s.redis,
             RedisSource::Secret {
@@ -372,6 +381,9 @@ mod tests {
         for (key, value) in [
             (LOCK_BUDGET_MS, "0"),
             (LOCK_BUDGET_MS, "fast"),
+            (LOCK_BUDGET_MS, "60001"),
+            (WAIT_DEADLINE_MS, "0"),
+            (WAIT_DEADLINE_MS, "600000"),
             (UPSTREAM, "https://store"),
             (REDIS_URL, "http://redis"),
             (REDIS_SECRET, "no-slash"),

@@ -194,6 +194,9 @@ pub fn sidecar(settings: &Settings, defaults: &WebhookArgs) -> Container {
     if let Some(ms) = settings.lock_budget_ms {
         env.push(env_var("TURNLOCK_LOCK_BUDGET_MS", &ms.to_string()));
     }
+    if let Some(ms) = settings.wait_deadline_ms {
+        env.push(env_var("TURNLOCK_WAIT_DEADLINE_MS", &ms.to_string()));
+    }
     if settings.transparent.is_some() {
         env.push(env_var("TURNLOCK_TRANSPARENT", "true"));
     }

@@ -254,6 +254,7 @@ async fn opted_in_pod_gets_a_native_sidecar_that_the_agent_waits_for() {
         a::NATIVE_SIDECAR: "true",
         a::STORE_URL_ENV: "CONTEXT_STORE_URL",
         a::LOCK_BUDGET_MS: "80",
+        a::WAIT_DEADLINE_MS: "5000",
         a::REDIS_SECRET: "redis-auth/url",
         a::MEMORY_LIMIT: "96Mi",
         a::LOG_LEVEL: "turnlock=debug",
@@ -280,6 +281,7 @@ async fn opted_in_pod_gets_a_native_sidecar_that_the_agent_waits_for() {
         Some("http://context-store.agents.svc:8080")
     );
     assert_eq!(env_of(sidecar, "TURNLOCK_LOCK_BUDGET_MS"), Some("80"));
+    assert_eq!(env_of(sidecar, "TURNLOCK_WAIT_DEADLINE_MS"), Some("5000"));
     assert_eq!(env_of(sidecar, "TURNLOCK_LISTEN"), Some("127.0.0.1:7070"));
     assert_eq!(env_of(sidecar, "RUST_LOG"), Some("turnlock=debug"));
     let redis = sidecar
