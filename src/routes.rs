@@ -398,6 +398,33 @@ impl Routes {
         Ok(Self { routes })
     }
 
+    /// The one route (and session) that the readings of `path` match with `matches`; readings
+    /// that match different writes are ambiguous.
+    fn match_readings(
+        &self,
+        method: &Method,
+        path: &str,
+        readings: &[Vec<String>],
+        matches: fn(&Template, &[String]) -> Option<String>,
+    ) -> Result<Option<(usize, String)>, AmbiguousPath> {
+        let mut found: Option<(usize, String)> = None;
+        for reading in readings {
+            let hit = self
+                .routes
+                .iter()
+                .enumerate()
+                .filter(|(_, r)| r.method == *method)
+                .find_map(|(i, r)| matches(&r.path, reading).map(|s| (i, s)));
+            match (&found, hit) {
+                (_, None) => {}
+                (None, Some(h)) => found = Some(h),
+                (Some(f), Some(h)) if *f == h => {}
+                (Some(_), Some(_)) => return Err(AmbiguousPath { path: path.to_owned() }),
+            }
+        }
+        Ok(found)
+    }
+
     /// The write route for a request, with its session segment (normalized).
     ///
     /// The path is read every way a store could read it ([`normalize::readings`]): when any
@@ -407,37 +434,11 @@ impl Routes {
         if !self.routes.iter().any(|r| r.method == *method) {
             return Ok(None);
         }
-        let mut found: Option<(usize, String)> = None;
-        for reading in normalize::readings(path) {
-            let hit = self
-                .routes
-                .iter()
-                .enumerate()
-                .filter(|(_, r)| r.method == *method)
-                .find_map(|(i, r)| r.path.matches(&reading).map(|s| (i, s)));
-            match (&found, hit) {
-                (_, None) => {}
-                (None, Some(h)) => found = Some(h),
-                (Some(f), Some(h)) if *f == h => {}
-                (Some(_), Some(_)) => return Err(AmbiguousPath { path: path.to_owned() }),
-            }
-        }
+        let readings = normalize::readings(path);
+        let mut found = self.match_readings(method, path, &readings, Template::matches)?;
         if found.is_none() {
             // A store whose router ignores case reads `/API/threads/…` as the route: a write.
-            for reading in normalize::readings(path) {
-                let hit = self
-                    .routes
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, r)| r.method == *method)
-                    .find_map(|(i, r)| r.path.matches_ignoring_case(&reading).map(|s| (i, s)));
-                match (&found, hit) {
-                    (_, None) => {}
-                    (None, Some(h)) => found = Some(h),
-                    (Some(f), Some(h)) if *f == h => {}
-                    (Some(_), Some(_)) => return Err(AmbiguousPath { path: path.to_owned() }),
-                }
-            }
+            found = self.match_readings(method, path, &readings, Template::matches_ignoring_case)?;
         }
         Ok(found.and_then(|(i, s)| self.routes.get(i).map(|r| (r, s))))
     }
