@@ -26,7 +26,11 @@ pub struct ProxyFactory {
 
 impl ProxyFactory {
     pub(crate) fn upstream(&self, url: &str) -> Result<Upstream, String> {
-        Upstream::with_pool(url, self.upstream_timeout, self.pool, self.metrics.clone())
+        let upstream = Upstream::with_pool(url, self.upstream_timeout, self.pool, self.metrics.clone())?;
+        Ok(match self.routes.signing() {
+            Some(s) => upstream.with_signer(crate::upstream::Signer::new(&s.region, &s.service)),
+            None => upstream,
+        })
     }
 
     pub(crate) fn proxy(&self, upstream: Upstream) -> Proxy {

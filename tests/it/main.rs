@@ -22,7 +22,9 @@ mod inject_webhook;
 mod operability;
 mod passthrough;
 mod proxy_service;
+mod real_stores;
 mod release_records;
 mod route_matching;
 mod soak;
 mod transparent_netns;
+

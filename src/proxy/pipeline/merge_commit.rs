@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 
 use bytes::Bytes;
-use http::header;
+use http::header::{self, HeaderValue};
 use http::StatusCode;
 use serde_json::json;
 use tokio::time::Instant;
@@ -22,6 +22,7 @@ use crate::proxy::error::WriteError;
 use crate::proxy::request::Action;
 use crate::redis_conn::Entry;
 use crate::session::{Scope, SessionId};
+use crate::upstream::StoreParts;
 use crate::upstream::{Precondition, UpstreamError};
 
 pub(super) async fn merge_batch(
@@ -66,7 +67,7 @@ pub(super) async fn merge_attempts(
                 return (vec![answer; batch.len()], false);
             }
         }
-        let fetched = match s.upstream.get_document(path).await {
+        let fetched = match s.upstream.get_document_with(path, store_parts(batch)).await {
             Ok(f) => f,
             Err(e) => return (vec![Answer::from(WriteError::Upstream(e)); batch.len()], false),
         };
@@ -80,7 +81,7 @@ pub(super) async fn merge_attempts(
         let current = fetched.doc;
         let current_version = current.as_ref().map(merge::version_of).unwrap_or(0);
         let bases = load_bases(s, &queue.scope, batch, current.as_ref()).await;
-        let (doc, results) = apply_batch(session, current.as_ref(), batch, &bases);
+        let (doc, results) = apply_batch(session, current.as_ref(), fetched.etag.as_ref(), batch, &bases);
         let refusals = |results: Vec<Result<merge::Applied, MergeError>>, on_ok: &Answer| -> Vec<Answer> {
             results
                 .into_iter()
@@ -126,7 +127,11 @@ pub(super) async fn merge_attempts(
                 false,
             );
         }
-        match s.upstream.put_document(path, body, &precondition, lease.fence()).await {
+        match s
+            .upstream
+            .put_document_with(path, body, &precondition, lease.fence(), store_parts(batch))
+            .await
+        {
             Ok(etag) => {
                 records.push(Entry {
                     key: queue.scope.history(new_version),
@@ -172,12 +177,95 @@ pub(super) async fn merge_attempts(
     }
 }
 
+/// What the write-back keeps of the batch's requests: the last merge write's (its headers,
+/// and its store's dialect).
+fn store_parts(batch: &[Pending]) -> &StoreParts {
+    static NONE: std::sync::OnceLock<StoreParts> = std::sync::OnceLock::new();
+    batch
+        .iter()
+        .rev()
+        .find_map(|p| match &p.write.action {
+            Action::Merge { store, .. } => Some(store),
+            _ => None,
+        })
+        .unwrap_or_else(|| NONE.get_or_init(StoreParts::default))
+}
+
+/// The turn a write is merged at: its own, or — a write that named none, on a route whose
+/// turn is optional — the stored turn, so it is never stale and moves no turn.
+fn turn_at(p: &Pending, on: Option<&Document>) -> u64 {
+    if p.write.turn_given {
+        p.write.turn
+    } else {
+        on.map(merge::turn_of).unwrap_or(0)
+    }
+}
+
+/// A write that names the store's own entity tag (`If-Match` in the store's format): refused
+/// as the store would refuse it unless the document is still at that tag, and then merged
+/// against that version. A write to a foreign store's document that turnlock never wrote,
+/// based on no version: merged against that document. Any other write as it is.
+fn with_store_precondition<'a>(
+    p: &'a Pending,
+    op: &'a Op,
+    on: Option<&Document>,
+    etag: Option<&HeaderValue>,
+    first: bool,
+) -> Result<std::borrow::Cow<'a, Op>, MergeError> {
+    let Action::Merge { store, .. } = &p.write.action else {
+        return Ok(std::borrow::Cow::Borrowed(op));
+    };
+    let Some(wanted) = &store.if_match else {
+        // A document turnlock never wrote (no `version`) has one version it knows: the
+        // store's own. A copy of it that names no version is based on it.
+        return Ok(match (op, on) {
+            (
+                Op::Put {
+                    doc,
+                    base_version: None,
+                },
+                Some(cur),
+            ) if !store.dialect.answers_natively() && !cur.contains_key("version") => {
+                std::borrow::Cow::Owned(Op::Put {
+                    doc: doc.clone(),
+                    base_version: Some(0),
+                })
+            }
+            _ => std::borrow::Cow::Borrowed(op),
+        });
+    };
+    let Some(doc) = on else {
+        return Err(MergeError::NotFound);
+    };
+    let current = merge::version_of(doc);
+    // Only the first write of the batch can still see the document at the tag it names.
+    let any = wanted.as_bytes() == b"*";
+    if !any && (!first || etag.map(HeaderValue::as_bytes) != Some(wanted.as_bytes())) {
+        return Err(MergeError::VersionMismatch {
+            expected: None,
+            current,
+        });
+    }
+    Ok(match op {
+        Op::Put {
+            doc,
+            base_version: None,
+        } => std::borrow::Cow::Owned(Op::Put {
+            doc: doc.clone(),
+            base_version: Some(current),
+        }),
+        other => std::borrow::Cow::Borrowed(other),
+    })
+}
+
 /// Applies a batch's writes one after another to the current document. Consecutive appends
 /// are merged as one (the document is copied once for them, not once per write), each write
 /// still getting its own result.
+/// `etag` is the one the store gave the current document (for writes naming the store's own).
 pub(super) fn apply_batch(
     session: &SessionId,
     current: Option<&Document>,
+    etag: Option<&HeaderValue>,
     batch: &[Pending],
     bases: &HashMap<u64, Snapshot>,
 ) -> (Option<Document>, Vec<Result<merge::Applied, MergeError>>) {
@@ -186,11 +274,11 @@ pub(super) fn apply_batch(
     let mut results = Vec::with_capacity(batch.len());
     let mut i = 0;
     while i < batch.len() {
-        let turn = batch[i].write.turn;
+        let turn = turn_at(&batch[i], doc.as_ref().or(current));
         let run = batch[i..]
             .iter()
             .take_while(|p| {
-                p.write.turn == turn
+                turn_at(p, doc.as_ref().or(current)) == turn
                     && matches!(
                         &p.write.action,
                         Action::Merge {
@@ -230,11 +318,20 @@ pub(super) fn apply_batch(
             continue;
         }
         let p = &batch[i];
+        let first = i == 0;
         i += 1;
         let Action::Merge { op, .. } = &p.write.action else {
             results.push(Err(MergeError::NotFound));
             continue;
         };
+        let op = match with_store_precondition(p, op, doc.as_ref().or(current), etag, first) {
+            Ok(op) => op,
+            Err(e) => {
+                results.push(Err(e));
+                continue;
+            }
+        };
+        let op = op.as_ref();
         let base = match op {
             Op::Put {
                 base_version: Some(v), ..
@@ -244,7 +341,7 @@ pub(super) fn apply_batch(
         match merge::apply(
             session,
             doc.as_ref().or(current),
-            p.write.turn,
+            turn_at(p, doc.as_ref().or(current)),
             op,
             base,
             &mut RandomIds,

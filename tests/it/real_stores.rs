@@ -1,0 +1,222 @@
+//! turnlock in front of real stores, driven by their own SDKs: S3 (moto's standalone server,
+//! boto3 agents doing GET-modify-PUT).
+
+use std::collections::{HashMap, HashSet};
+
+use serde_json::Value;
+
+use crate::support::third_party::{moto_server, run_python, Server};
+use crate::support::{proxy, proxy_args, RedisServer};
+
+/// A ready routes file for S3 session objects: turnlock's own reads and write-backs carry the
+/// client's credentials.
+const S3_ROUTES: &str = r#"
+[store]
+dialect = "s3"
+
+[[route]]
+method = "PUT"
+path = "/{bucket}/sessions/{session}.json"
+mode = "merge"
+kind = "put"
+document = "/{bucket}/sessions/{session}.json"
+turn = { body = "/turn", optional = true }
+"#;
+
+/// The same, with turnlock signing its own requests (SigV4, credentials from the environment).
+fn s3_signed_routes() -> String {
+    S3_ROUTES.replace(
+        "dialect = \"s3\"",
+        "dialect = \"s3\"\nsigv4 = { region = \"us-east-1\" }",
+    )
+}
+
+/// The credentials the agents and the sidecars use (moto accepts any).
+fn aws_env() {
+    std::env::set_var("AWS_ACCESS_KEY_ID", "testing");
+    std::env::set_var("AWS_SECRET_ACCESS_KEY", "testing");
+}
+
+fn routes_file(text: &str) -> tempfile::NamedTempFile {
+    let file = tempfile::NamedTempFile::new().expect("temp file");
+    std::fs::write(file.path(), text).expect("write routes");
+    file
+}
+
+/// `n` sidecars in front of `store`, sharing `redis`, serving `routes`.
+async fn sidecars(
+    store: &Server,
+    redis: &RedisServer,
+    routes: &tempfile::NamedTempFile,
+    n: usize,
+) -> Vec<turnlock::sidecar::Running> {
+    let mut out = Vec::new();
+    for _ in 0..n {
+        let mut args = proxy_args(format!("127.0.0.1:{}", store.port).parse().expect("addr"), Some(redis));
+        args.routes = Some(routes.path().display().to_string());
+        out.push(proxy(args).await);
+    }
+    out
+}
+
+async fn python(script: &'static str, args: Vec<String>) -> Value {
+    tokio::task::spawn_blocking(move || {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        run_python(script, &args)
+    })
+    .await
+    .expect("python")
+}
+
+fn strings(v: &Value) -> Vec<String> {
+    v.as_array()
+        .map(|a| a.iter().filter_map(|s| s.as_str().map(str::to_owned)).collect())
+        .unwrap_or_default()
+}
+
+/// What the agents were told, against what the store holds: (acked, lost, duplicated).
+fn tally(run: &Value, stored: &Value) -> (usize, Vec<String>, Vec<String>) {
+    let acked = strings(&run["acked"]);
+    let ids: Vec<String> = stored["doc"]["messages"]
+        .as_array()
+        .map(|m| m.iter().filter_map(|m| m["id"].as_str().map(str::to_owned)).collect())
+        .unwrap_or_default();
+    let mut counts: HashMap<&str, usize> = HashMap::new();
+    for id in &ids {
+        *counts.entry(id).or_default() += 1;
+    }
+    let stored_set: HashSet<&str> = ids.iter().map(String::as_str).collect();
+    let lost = acked
+        .iter()
+        .filter(|id| !stored_set.contains(id.as_str()))
+        .cloned()
+        .collect();
+    let dup = counts
+        .iter()
+        .filter(|(_, n)| **n > 1)
+        .map(|(id, _)| id.to_string())
+        .collect();
+    (acked.len(), lost, dup)
+}
+
+const AGENTS: usize = 6;
+const WRITES: usize = 8;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn boto3_agents_through_signing_sidecars_lose_nothing_and_see_no_error() {
+    aws_env();
+    let moto = moto_server();
+    let redis = RedisServer::start();
+    let routes = routes_file(&s3_signed_routes());
+    let proxies = sidecars(&moto, &redis, &routes, 3).await;
+    let endpoints: Vec<String> = proxies.iter().map(|p| format!("http://{}", p.addr)).collect();
+    let (bucket, key) = ("agents", "sessions/s-1.json");
+    python(
+        "s3_tool.py",
+        vec![
+            "setup".into(),
+            moto.url(),
+            bucket.into(),
+            key.into(),
+            endpoints[0].clone(),
+        ],
+    )
+    .await;
+    let run = python(
+        "s3_agents.py",
+        vec![
+            endpoints.join(","),
+            bucket.into(),
+            key.into(),
+            AGENTS.to_string(),
+            WRITES.to_string(),
+        ],
+    )
+    .await;
+    let stored = python("s3_tool.py", vec!["read".into(), moto.url(), bucket.into(), key.into()]).await;
+    let (acked, lost, dup) = tally(&run, &stored);
+    assert_eq!(run["errors"], serde_json::json!([]), "boto3 raised: {run}");
+    assert_eq!(run["extra_attempts"], 0, "botocore retried a put_object: {run}");
+    assert_eq!(acked, AGENTS * WRITES, "{run}");
+    assert!(lost.is_empty(), "acknowledged writes lost: {lost:?}");
+    assert!(dup.is_empty(), "messages stored twice: {dup:?}");
+    // The write-back kept the client's metadata.
+    assert!(stored["metadata"]["agent"].is_string(), "{stored}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn boto3_agents_straight_to_the_store_lose_writes() {
+    let moto = moto_server();
+    let (bucket, key) = ("direct", "sessions/s-1.json");
+    python(
+        "s3_tool.py",
+        vec!["setup".into(), moto.url(), bucket.into(), key.into(), moto.url()],
+    )
+    .await;
+    let run = python(
+        "s3_agents.py",
+        vec![
+            moto.url(),
+            bucket.into(),
+            key.into(),
+            AGENTS.to_string(),
+            WRITES.to_string(),
+        ],
+    )
+    .await;
+    let stored = python("s3_tool.py", vec!["read".into(), moto.url(), bucket.into(), key.into()]).await;
+    let (acked, lost, _) = tally(&run, &stored);
+    assert_eq!(acked, AGENTS * WRITES, "{run}");
+    assert!(
+        !lost.is_empty(),
+        "the same agents straight to S3 lost nothing: the negative control proves nothing"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s3_if_match_headers_and_answers_work_through_the_sidecar() {
+    let moto = moto_server();
+    let redis = RedisServer::start();
+    let routes = routes_file(S3_ROUTES);
+    let proxies = sidecars(&moto, &redis, &routes, 1).await;
+    let endpoint = format!("http://{}", proxies[0].addr);
+    let (bucket, key) = ("cond", "sessions/s-2.json");
+    // Seeded straight to the store: a document turnlock never wrote.
+    python(
+        "s3_tool.py",
+        vec!["setup".into(), moto.url(), bucket.into(), key.into(), moto.url()],
+    )
+    .await;
+    let r = python(
+        "s3_tool.py",
+        vec!["conditional".into(), endpoint, bucket.into(), key.into()],
+    )
+    .await;
+    let stored = python("s3_tool.py", vec!["read".into(), moto.url(), bucket.into(), key.into()]).await;
+    // IfMatch with the object's ETag (the store's format) is understood; the agent gets the
+    // store's answer: a 200 with the object's ETag, once.
+    assert_eq!(r["current"]["ok"], true, "IfMatch with the object's ETag: {r}");
+    assert_eq!(r["current"]["status"], 200, "{r}");
+    assert_eq!(r["current"]["attempts"], 1, "{r}");
+    // A stale IfMatch is refused as S3 refuses it, and botocore does not retry it.
+    assert_eq!(r["stale"]["ok"], false, "{r}");
+    assert_eq!(r["stale"]["code"], "PreconditionFailed", "{r}");
+    assert_eq!(r["stale"]["status"], 412, "{r}");
+    assert_eq!(r["stale"]["attempts"], 1, "{r}");
+    assert_eq!(r["with_headers"]["ok"], true, "{r}");
+    assert_eq!(
+        r["with_headers"]["etag"], stored["etag"],
+        "the ETag answered is the store's: {r} {stored}"
+    );
+    let ids: Vec<String> = stored["doc"]["messages"]
+        .as_array()
+        .expect("messages")
+        .iter()
+        .filter_map(|m| m["id"].as_str().map(str::to_owned))
+        .collect();
+    assert_eq!(ids, ["if-match", "with-headers"], "{stored}");
+    // The write-back kept the client's end-to-end headers.
+    assert_eq!(stored["content_type"], "application/octet-stream", "{stored}");
+    assert_eq!(stored["metadata"]["owner"], "agent-7", "{stored}");
+    assert_eq!(stored["sse"], "AES256", "{stored}");
+}

@@ -1,0 +1,115 @@
+//! Third-party servers and clients that users put behind turnlock, installed once per machine
+//! by the test setup (or here, when missing) and started on free loopback ports.
+//!
+//! Python tools (moto's S3 server, boto3) live in a virtualenv at `TURNLOCK_TEST_VENV`
+//! (default `~/.cache/turnlock-test-venv`). A tool that cannot be installed fails the test
+//! with a message saying what to install: it never skips.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use super::{free_port, wait_for_port};
+
+/// The Python packages the tests drive.
+const PY_PACKAGES: &[&str] = &["moto[server]", "boto3"];
+
+static INSTALL: Mutex<()> = Mutex::new(());
+
+/// The virtualenv with moto and boto3, created and filled on first use.
+pub fn venv() -> PathBuf {
+    let dir = std::env::var_os("TURNLOCK_TEST_VENV")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            let home = std::env::var_os("HOME").unwrap_or_else(|| "/root".into());
+            Path::new(&home).join(".cache/turnlock-test-venv")
+        });
+    let _guard = INSTALL.lock().unwrap_or_else(|e| e.into_inner());
+    let python = dir.join("bin/python");
+    let ready = || {
+        Command::new(&python)
+            .args(["-c", "import moto, boto3, flask"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if !ready() {
+        let made = Command::new("python3")
+            .args(["-m", "venv"])
+            .arg(&dir)
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(
+            made,
+            "cannot create a virtualenv at {dir:?}: install python3-venv (apt-get install python3-venv)"
+        );
+        let installed = Command::new(dir.join("bin/pip"))
+            .args(["install", "-q"])
+            .args(PY_PACKAGES)
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(
+            installed && ready(),
+            "cannot install {PY_PACKAGES:?} into {dir:?}: run `{}/bin/pip install 'moto[server]' boto3`",
+            dir.display()
+        );
+    }
+    dir
+}
+
+/// A process killed on drop.
+pub struct Server {
+    child: Child,
+    pub port: u16,
+}
+
+impl Server {
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// moto's standalone S3-compatible server (`moto_server`) on a free port.
+pub fn moto_server() -> Server {
+    let venv = venv();
+    let port = free_port();
+    let child = Command::new(venv.join("bin/moto_server"))
+        .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start moto_server");
+    wait_for_port(port, Duration::from_secs(30));
+    Server { child, port }
+}
+
+/// Runs a Python script of `tests/it/scripts` with the virtualenv's interpreter; returns
+/// its standard output's last line parsed as JSON.
+pub fn run_python(script: &str, args: &[&str]) -> serde_json::Value {
+    let venv = venv();
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/it/scripts")
+        .join(script);
+    let out = Command::new(venv.join("bin/python"))
+        .arg(&path)
+        .args(args)
+        .output()
+        .expect("run python");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{script} failed: {}\n{stdout}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let last = stdout.lines().last().unwrap_or("");
+    serde_json::from_str(last).unwrap_or_else(|e| panic!("{script} printed no JSON ({e}): {stdout}"))
+}
