@@ -27,4 +27,4 @@ mod release_records;
 mod route_matching;
 mod soak;
 mod transparent_netns;
-
+mod weak_store;

@@ -1,8 +1,7 @@
-//! The merge commit: read the document once, apply the batch's writes in order, write it back
-//! once under the store's `If-Match` (or the commit slot, for a store without ETags).
+//! The merge commit: read the document once under its commit slot, apply the batch's writes in
+//! order, write it back once (under the store's `If-Match` too, when it gives ETags).
 
 use std::collections::HashMap;
-use std::sync::atomic::Ordering;
 
 use bytes::Bytes;
 use http::header::{self, HeaderValue};
@@ -56,28 +55,21 @@ pub(super) async fn merge_attempts(
     let started = Instant::now();
     let session = &queue.session;
     let mut attempt = 0;
-    let mut force_slot = false;
     loop {
         attempt += 1;
-        // Without ETags the document is read under its commit slot: what is read is then the
-        // latest commit (or what the store holds after a change made behind turnlock's back,
-        // such as a delete), and nothing is committed between this read and this write.
-        if force_slot || !s.etags_seen.load(Ordering::Relaxed) {
-            if let Err(answer) = slot.hold(s, lease).await {
-                return (vec![answer; batch.len()], false);
-            }
+        // The document is read under its commit slot, whether or not the store gives ETags:
+        // writers of different turns hold different locks, and a store's `If-Match` may be
+        // weak (an ETag of size and whole-second mtime) or checked apart from the write. What
+        // is read is then the latest commit (or what the store holds after a change made
+        // behind turnlock's back, such as a delete), and nothing is committed between this
+        // read and this write; the store's precondition is checked on top.
+        if let Err(answer) = slot.hold(s, lease).await {
+            return (vec![answer; batch.len()], false);
         }
         let fetched = match s.upstream.get_document_with(path, store_parts(batch)).await {
             Ok(f) => f,
             Err(e) => return (vec![Answer::from(WriteError::Upstream(e)); batch.len()], false),
         };
-        if fetched.etag.is_some() {
-            s.etags_seen.store(true, Ordering::Relaxed);
-        } else if fetched.doc.is_some() && !slot.held() {
-            // A document without an ETag from a store that gave them: read again under the slot.
-            force_slot = true;
-            continue;
-        }
         let current = fetched.doc;
         let current_version = current.as_ref().map(merge::version_of).unwrap_or(0);
         let bases = load_bases(s, &queue.scope, batch, current.as_ref()).await;
