@@ -196,6 +196,18 @@ impl Upstream {
 
     /// Like [`Upstream::new`], with the pool's limits.
     pub fn with_pool(base: &str, timeout: Duration, pool: PoolSettings, metrics: Metrics) -> Result<Self, String> {
+        Self::with_tls(base, timeout, pool, metrics, None)
+    }
+
+    /// Like [`Upstream::with_pool`]; an `https://` store is verified against the system's
+    /// roots and, when given, the CA certificates (PEM) in `ca`.
+    pub fn with_tls(
+        base: &str,
+        timeout: Duration,
+        pool: PoolSettings,
+        metrics: Metrics,
+        ca: Option<&std::path::Path>,
+    ) -> Result<Self, String> {
         let uri: Uri = base
             .parse()
             .map_err(|e| format!("invalid upstream URL {base:?}: {e}"))?;
@@ -203,10 +215,9 @@ impl Upstream {
             .scheme()
             .cloned()
             .ok_or_else(|| format!("upstream URL {base:?} has no scheme"))?;
-        if scheme != http::uri::Scheme::HTTP {
-            return Err(format!(
-                "upstream URL {base:?}: only http:// is supported (TLS to the store is not built in)"
-            ));
+        let https = scheme == http::uri::Scheme::HTTPS;
+        if scheme != http::uri::Scheme::HTTP && !https {
+            return Err(format!("upstream URL {base:?}: the scheme must be http:// or https://"));
         }
         let authority = uri
             .authority()
@@ -215,7 +226,10 @@ impl Upstream {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(timeout));
-        let connector = pool::CappedConnector::new(connector, pool.max_connections);
+        let mut connector = pool::CappedConnector::new(connector, pool.max_connections);
+        if https {
+            connector = connector.with_tls(tls_config(ca).map_err(|e| format!("upstream URL {base:?}: {e}"))?);
+        }
         let client = Client::builder(TokioExecutor::new())
             .pool_timer(TokioTimer::new())
             .pool_idle_timeout(pool.idle_timeout)
@@ -555,6 +569,43 @@ fn repeatable(req: &Request<Body>) -> Option<Request<Body>> {
 
 /// Whether a store's 409 says the write's fencing token was older than one already stored
 /// (the reference store's `--enforce-fencing` answer).
+/// TLS to the store: the system's roots, plus the CA certificates of `ca` (PEM).
+fn tls_config(ca: Option<&std::path::Path>) -> Result<std::sync::Arc<rustls::ClientConfig>, String> {
+    use rustls_pki_types::pem::PemObject;
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in rustls_native_certs::load_native_certs().certs {
+        // A system certificate rustls cannot use is left out, as other clients do.
+        let _ = roots.add(cert);
+    }
+    if let Some(path) = ca {
+        let pem = std::fs::read(path).map_err(|e| format!("cannot read --upstream-ca {}: {e}", path.display()))?;
+        let mut added = 0;
+        for cert in rustls_pki_types::CertificateDer::pem_slice_iter(&pem) {
+            let cert = cert.map_err(|e| format!("--upstream-ca {}: {e}", path.display()))?;
+            roots
+                .add(cert)
+                .map_err(|e| format!("--upstream-ca {}: {e}", path.display()))?;
+            added += 1;
+        }
+        if added == 0 {
+            return Err(format!("--upstream-ca {} holds no PEM certificate", path.display()));
+        }
+    }
+    if roots.is_empty() {
+        return Err(
+            "no CA certificates to verify the store with: install the system's (ca-certificates) or give --upstream-ca"
+                .into(),
+        );
+    }
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    Ok(std::sync::Arc::new(config))
+}
+
 fn is_fenced_out(body: &[u8]) -> bool {
     serde_json::from_slice::<serde_json::Value>(body).is_ok_and(|v| v["error"] == "stale_fencing_token")
 }

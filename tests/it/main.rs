@@ -26,5 +26,6 @@ mod real_stores;
 mod release_records;
 mod route_matching;
 mod soak;
+mod tls_store;
 mod transparent_netns;
 mod weak_store;

@@ -1,11 +1,11 @@
-//! turnlock in front of real stores, driven by their own SDKs: S3 (moto's standalone server,
-//! boto3 agents doing GET-modify-PUT).
+//! turnlock in front of real stores, driven as agents drive them: S3 (moto's standalone server,
+//! boto3 agents doing GET-modify-PUT) and CouchDB (`pouchdb-server` in memory, `_rev` agents).
 
 use std::collections::{HashMap, HashSet};
 
 use serde_json::Value;
 
-use crate::support::third_party::{moto_server, run_python, Server};
+use crate::support::third_party::{moto_server, pouchdb_server, run_python, Server};
 use crate::support::{proxy, proxy_args, RedisServer};
 
 /// A ready routes file for S3 session objects: turnlock's own reads and write-backs carry the
@@ -219,4 +219,91 @@ async fn s3_if_match_headers_and_answers_work_through_the_sidecar() {
     assert_eq!(stored["content_type"], "application/octet-stream", "{stored}");
     assert_eq!(stored["metadata"]["owner"], "agent-7", "{stored}");
     assert_eq!(stored["sse"], "AES256", "{stored}");
+}
+
+/// A ready routes file for a CouchDB-style store: one document per session in database `{db}`.
+const COUCHDB_ROUTES: &str = r#"
+[store]
+dialect = "couchdb"
+
+[[route]]
+method = "PUT"
+path = "/{db}/{session}"
+mode = "merge"
+kind = "put"
+turn = { body = "/turn", optional = true }
+"#;
+
+/// Creates database `db` and the session document `doc` (through `seed`).
+async fn couch_setup(store: &Server, seed: &str, db: &str, doc: &str) {
+    let direct = turnlock::client::JsonClient::new(store.url());
+    let r = direct
+        .send(http::Method::PUT, &format!("/{db}"), None, &[])
+        .await
+        .expect("create db");
+    assert!(r.status.is_success(), "create db: {}", r.status);
+    let seed = turnlock::client::JsonClient::new(seed.to_owned());
+    let body = serde_json::json!({"messages": []});
+    let r = seed
+        .send(http::Method::PUT, &format!("/{db}/{doc}"), Some(&body), &[])
+        .await
+        .expect("seed");
+    assert!(r.status.is_success(), "seed: {} {:?}", r.status, r.body);
+}
+
+fn couch_tally(run: &Value) -> (usize, Vec<String>, Vec<String>) {
+    tally(run, &serde_json::json!({"doc": run["final"]}))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn couchdb_agents_through_sidecars_lose_nothing_and_a_stores_409_is_re_merged() {
+    let couch = pouchdb_server();
+    let redis = RedisServer::start();
+    let routes = routes_file(COUCHDB_ROUTES);
+    let proxies = sidecars(&couch, &redis, &routes, 2).await;
+    let endpoints: Vec<String> = proxies.iter().map(|p| format!("http://{}", p.addr)).collect();
+    couch_setup(&couch, &endpoints[0], "sessions", "s-1").await;
+    // One more agent writes straight to the store (re-reading on its 409s): turnlock's
+    // write-backs then meet the store's 409 and must re-read and re-merge, never answer 502.
+    let run = python(
+        "couch_agents.py",
+        vec![
+            endpoints.join(","),
+            "/sessions/s-1".into(),
+            "6".into(),
+            WRITES.to_string(),
+            couch.url(),
+        ],
+    )
+    .await;
+    let (acked, lost, dup) = couch_tally(&run);
+    assert_eq!(
+        run["errors"],
+        serde_json::json!([]),
+        "no 502 nor any other error: {run}"
+    );
+    assert_eq!(acked, 7 * WRITES, "{run}");
+    assert!(lost.is_empty(), "acknowledged writes lost: {lost:?}");
+    assert!(dup.is_empty(), "messages stored twice: {dup:?}");
+    // Agents through the sidecar get CouchDB's own answer.
+    let answer = &run["answers"][0];
+    assert_eq!(answer["ok"], true, "{run}");
+    assert_eq!(answer["id"], "s-1", "{run}");
+    assert!(answer["rev"].as_str().is_some_and(|r| !r.is_empty()), "{run}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn couchdb_agents_straight_to_the_store_lose_writes() {
+    let couch = pouchdb_server();
+    couch_setup(&couch, &couch.url(), "sessions", "s-1").await;
+    let run = python(
+        "couch_agents.py",
+        vec![couch.url(), "/sessions/s-1".into(), "6".into(), WRITES.to_string()],
+    )
+    .await;
+    let (_, lost, _) = couch_tally(&run);
+    assert!(
+        !lost.is_empty(),
+        "the same agents straight to the store lost nothing: the negative control proves nothing ({run})"
+    );
 }

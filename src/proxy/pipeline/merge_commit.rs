@@ -12,6 +12,7 @@ use tokio::time::Instant;
 use super::errors::refused;
 use super::queue::{Pending, Queue};
 use super::slot::SlotHold;
+use super::store_fields;
 use super::{Shared, MAX_ATTEMPTS};
 use crate::http::etag_for;
 use crate::lock::{Lease, Settled};
@@ -22,7 +23,7 @@ use crate::proxy::request::Action;
 use crate::redis_conn::Entry;
 use crate::session::{Scope, SessionId};
 use crate::upstream::StoreParts;
-use crate::upstream::{Precondition, UpstreamError};
+use crate::upstream::UpstreamError;
 
 pub(super) async fn merge_batch(
     s: &Shared,
@@ -66,14 +67,19 @@ pub(super) async fn merge_attempts(
         if let Err(answer) = slot.hold(s, lease).await {
             return (vec![answer; batch.len()], false);
         }
-        let fetched = match s.upstream.get_document_with(path, store_parts(batch)).await {
+        let store = store_parts(batch);
+        let dialect = store.dialect;
+        let fetched = match s.upstream.get_document_with(path, store).await {
             Ok(f) => f,
             Err(e) => return (vec![Answer::from(WriteError::Upstream(e)); batch.len()], false),
         };
-        let current = fetched.doc;
+        // The store's own fields are the store's: out of the merge, put back on the write.
+        let (mut current, managed) = store_fields::split(dialect, fetched.doc);
+        let tag = store_fields::version_tag(dialect, fetched.etag.as_ref(), &managed);
+        let mut bases = load_bases(s, &queue.scope, batch, current.as_ref()).await;
+        changed_behind_our_back(s, &queue.scope, batch, &mut current, &mut bases).await;
         let current_version = current.as_ref().map(merge::version_of).unwrap_or(0);
-        let bases = load_bases(s, &queue.scope, batch, current.as_ref()).await;
-        let (doc, results) = apply_batch(session, current.as_ref(), fetched.etag.as_ref(), batch, &bases);
+        let (doc, results) = apply_batch(session, current.as_ref(), tag.as_ref(), batch, &bases);
         let refusals = |results: Vec<Result<merge::Applied, MergeError>>, on_ok: &Answer| -> Vec<Answer> {
             results
                 .into_iter()
@@ -101,12 +107,13 @@ pub(super) async fn merge_attempts(
         next.insert("version".into(), json!(new_version));
         // A document gets its life when turnlock first writes it (see `merge::LIFE`).
         next.entry(merge::LIFE).or_insert_with(|| json!(lease.fence()));
-        let precondition = match (&current, fetched.etag) {
-            (None, _) => Precondition::Absent,
-            (Some(_), Some(tag)) => Precondition::IfMatch(tag),
-            (Some(_), None) => Precondition::None,
+        store_fields::strip(dialect, &mut next);
+        let precondition = store_fields::precondition(dialect, current.is_some(), fetched.etag);
+        let body = match store_fields::for_store(dialect, &next, &managed) {
+            Some(doc) => serde_json::to_vec(&doc),
+            None => serde_json::to_vec(&next),
         };
-        let body = Bytes::from(serde_json::to_vec(&next).unwrap_or_default());
+        let body = Bytes::from(body.unwrap_or_default());
         if body.len() > s.settings.max_document_bytes {
             return (
                 refusals(
@@ -121,7 +128,7 @@ pub(super) async fn merge_attempts(
         }
         match s
             .upstream
-            .put_document_with(path, body, &precondition, lease.fence(), store_parts(batch))
+            .put_document_with(path, body, &precondition, lease.fence(), store)
             .await
         {
             Ok(etag) => {
@@ -232,7 +239,8 @@ fn with_store_precondition<'a>(
     let current = merge::version_of(doc);
     // Only the first write of the batch can still see the document at the tag it names.
     let any = wanted.as_bytes() == b"*";
-    if !any && (!first || etag.map(HeaderValue::as_bytes) != Some(wanted.as_bytes())) {
+    let same = etag.is_some_and(|tag| store_fields::bare(tag.as_bytes()) == store_fields::bare(wanted.as_bytes()));
+    if !any && (!first || !same) {
         return Err(MergeError::VersionMismatch {
             expected: None,
             current,
@@ -346,6 +354,44 @@ pub(super) fn apply_batch(
         }
     }
     (doc, results)
+}
+
+/// A stored document that differs from what turnlock committed as its version (a writer
+/// reached the store without the sidecar and kept the `version` it read) is a newer version:
+/// a merged PUT based on that version is merged against what turnlock committed, so the
+/// other writer's change is kept rather than taken as deleted by the client. Checked only
+/// when a write of the batch is based on the current version (one Redis read).
+async fn changed_behind_our_back(
+    s: &Shared,
+    scope: &Scope,
+    batch: &[Pending],
+    current: &mut Option<Document>,
+    bases: &mut HashMap<u64, Snapshot>,
+) {
+    let Some(doc) = current.as_mut() else { return };
+    let v = merge::version_of(doc);
+    let based_on_current = batch.iter().any(|p| {
+        matches!(
+            &p.write.action,
+            Action::Merge {
+                op: Op::Put { base_version: Some(b), .. },
+                ..
+            } if *b == v && v > 0
+        )
+    });
+    if !based_on_current {
+        return;
+    }
+    let Ok(Some(bytes)) = s.records.get(&scope.history(v)).await else {
+        return;
+    };
+    let Ok(committed) = serde_json::from_slice::<Snapshot>(&bytes) else {
+        return;
+    };
+    if committed != Snapshot::of(doc) {
+        doc.insert("version".into(), json!(v + 1));
+        bases.insert(v, committed);
+    }
 }
 
 /// The snapshots of the versions that merged PUTs in the batch were based on. The current

@@ -44,6 +44,7 @@ mod idempotency;
 mod merge_commit;
 mod queue;
 mod slot;
+mod store_fields;
 
 use self::errors::unanswered;
 use self::forward::{delete_batch, serialize_batch};

@@ -63,6 +63,8 @@ pub fn venv() -> PathBuf {
 pub struct Server {
     child: Child,
     pub port: u16,
+    /// The server's working directory, when it writes files there.
+    _dir: Option<tempfile::TempDir>,
 }
 
 impl Server {
@@ -89,7 +91,62 @@ pub fn moto_server() -> Server {
         .spawn()
         .expect("start moto_server");
     wait_for_port(port, Duration::from_secs(30));
-    Server { child, port }
+    Server {
+        child,
+        port,
+        _dir: None,
+    }
+}
+
+/// The npm packages the tests run, installed at `TURNLOCK_TEST_NODE` (default
+/// `~/.cache/turnlock-test-node`) on first use.
+const NPM_PACKAGES: &[&str] = &["pouchdb-server@4"];
+
+/// The directory whose `node_modules/.bin` has `pouchdb-server`.
+pub fn node_dir() -> PathBuf {
+    let dir = std::env::var_os("TURNLOCK_TEST_NODE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            let home = std::env::var_os("HOME").unwrap_or_else(|| "/root".into());
+            Path::new(&home).join(".cache/turnlock-test-node")
+        });
+    let _guard = INSTALL.lock().unwrap_or_else(|e| e.into_inner());
+    let bin = dir.join("node_modules/.bin/pouchdb-server");
+    if !bin.exists() {
+        let _ = std::fs::create_dir_all(&dir);
+        let installed = Command::new("npm")
+            .args(["install", "--silent", "--no-audit", "--no-fund", "--prefix"])
+            .arg(&dir)
+            .args(NPM_PACKAGES)
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(
+            installed && bin.exists(),
+            "cannot install {NPM_PACKAGES:?} into {dir:?}: run `npm install --prefix {} pouchdb-server`",
+            dir.display()
+        );
+    }
+    dir
+}
+
+/// `pouchdb-server` in memory (`-m`), a CouchDB-compatible store, on a free port.
+pub fn pouchdb_server() -> Server {
+    let dir = node_dir();
+    let port = free_port();
+    let work = tempfile::tempdir().expect("temp dir");
+    let child = Command::new(dir.join("node_modules/.bin/pouchdb-server"))
+        .args(["-m", "-n", "-p", &port.to_string(), "-o", "127.0.0.1"])
+        .current_dir(work.path())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start pouchdb-server");
+    wait_for_port(port, Duration::from_secs(30));
+    Server {
+        child,
+        port,
+        _dir: Some(work),
+    }
 }
 
 /// Runs a Python script of `tests/it/scripts` with the virtualenv's interpreter; returns
