@@ -268,6 +268,19 @@ impl Upstream {
         }
     }
 
+    /// Signs a request forwarded for a client, when turnlock signs for this store (the
+    /// client's own signature names the sidecar's address, not the store's).
+    pub fn sign_forwarded(&self, parts: http::request::Parts) -> Result<http::request::Parts, UpstreamError> {
+        let Some(signer) = &self.signer else {
+            return Ok(parts);
+        };
+        let mut req = Request::from_parts(parts, ());
+        signer
+            .sign_forwarded(&mut req)
+            .map_err(|e| UpstreamError::NotSent(e.to_string()))?;
+        Ok(req.into_parts().0)
+    }
+
     /// The same upstream, adding `via` to the `Via` header of every request.
     pub fn with_via(self, via: HeaderValue) -> Self {
         Self { via: Some(via), ..self }

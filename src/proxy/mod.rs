@@ -144,6 +144,10 @@ impl Proxy {
         parts.headers.remove(crate::upstream::FENCING_TOKEN);
         append_forwarded_for(&mut parts.headers, peer);
         parts.version = http::Version::HTTP_11;
+        let parts = match upstream.sign_forwarded(parts) {
+            Ok(parts) => parts,
+            Err(e) => return error(e.status(), e.code(), e, None),
+        };
         let (body, body_sent) = passthrough::Reported::new(body, upstream.timeout());
         let req = Request::from_parts(parts, body.boxed());
         match upstream.forward(req, body_sent).await {

@@ -62,6 +62,16 @@ impl Signer {
     /// Signs `req` (whose URI is absolute) with a body of `body`, replacing any signature a
     /// client put on it.
     pub fn sign<B>(&self, req: &mut Request<B>, body: &[u8]) -> Result<(), SignError> {
+        self.sign_body(req, SignableBody::Bytes(body))
+    }
+
+    /// Signs a request forwarded as the client sent it (its body streamed, not signed): the
+    /// client signed it for the sidecar's address, which the store does not answer at.
+    pub fn sign_forwarded<B>(&self, req: &mut Request<B>) -> Result<(), SignError> {
+        self.sign_body(req, SignableBody::UnsignedPayload)
+    }
+
+    fn sign_body<B>(&self, req: &mut Request<B>, body: SignableBody<'_>) -> Result<(), SignError> {
         for name in SIGNATURE_HEADERS {
             req.headers_mut().remove(name);
         }
@@ -87,13 +97,8 @@ impl Signer {
             .iter()
             .filter_map(|(k, v)| Some((k.as_str(), v.to_str().ok()?)))
             .collect();
-        let signable = SignableRequest::new(
-            req.method().as_str(),
-            uri.as_str(),
-            headers.into_iter(),
-            SignableBody::Bytes(body),
-        )
-        .map_err(|e| SignError::Signing(e.to_string()))?;
+        let signable = SignableRequest::new(req.method().as_str(), uri.as_str(), headers.into_iter(), body)
+            .map_err(|e| SignError::Signing(e.to_string()))?;
         let (instructions, _) = sign(signable, &params)
             .map_err(|e| SignError::Signing(e.to_string()))?
             .into_parts();

@@ -5,8 +5,8 @@ use std::collections::{HashMap, HashSet};
 
 use serde_json::Value;
 
-use crate::support::third_party::{moto_server, pouchdb_server, run_python, Server};
-use crate::support::{proxy, proxy_args, RedisServer};
+use crate::support::third_party::{moto_server, moto_server_with, pouchdb_server, run_python, run_python_env, Server};
+use crate::support::{free_port, proxy, proxy_args, turnlock_bin, wait_for_port, Proc, RedisServer};
 
 /// A ready routes file for S3 session objects: turnlock's own reads and write-backs carry the
 /// client's credentials.
@@ -305,5 +305,130 @@ async fn couchdb_agents_straight_to_the_store_lose_writes() {
     assert!(
         !lost.is_empty(),
         "the same agents straight to the store lost nothing: the negative control proves nothing ({run})"
+    );
+}
+
+/// A `turnlock proxy` process in front of `store` with `routes`, and the AWS credentials in
+/// its environment; returns it and its address.
+fn sidecar_process(
+    store: &Server,
+    redis: &RedisServer,
+    routes: &tempfile::NamedTempFile,
+    env: &[(String, String)],
+) -> (Proc, String) {
+    let (port, admin) = (free_port(), free_port());
+    let child = std::process::Command::new(turnlock_bin())
+        .args([
+            "proxy",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--admin",
+            &format!("127.0.0.1:{admin}"),
+        ])
+        .args(["--upstream", &store.url(), "--redis", &redis.url()])
+        .arg("--routes")
+        .arg(routes.path())
+        .env_remove("AWS_SESSION_TOKEN")
+        .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn turnlock");
+    let proc = Proc { child };
+    wait_for_port(port, std::time::Duration::from_secs(20));
+    (proc, format!("http://127.0.0.1:{port}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_private_bucket_is_written_through_sidecars_that_sign_their_own_requests() {
+    // moto checks every request's signature once the IAM user is made.
+    let moto = moto_server_with(&[("INITIAL_NO_AUTH_ACTION_COUNT", "3")]);
+    let redis = RedisServer::start();
+    let (bucket, key) = ("private", "sessions/s-1.json");
+    let creds = python(
+        "s3_tool.py",
+        vec!["private".into(), moto.url(), bucket.into(), "-".into()],
+    )
+    .await;
+    let env = vec![
+        (
+            "AWS_ACCESS_KEY_ID".to_owned(),
+            creds["key"].as_str().expect("key").to_owned(),
+        ),
+        (
+            "AWS_SECRET_ACCESS_KEY".to_owned(),
+            creds["secret"].as_str().expect("secret").to_owned(),
+        ),
+    ];
+    let signed_routes = routes_file(&s3_signed_routes());
+    let (_a, a) = sidecar_process(&moto, &redis, &signed_routes, &env);
+    let (_b, b) = sidecar_process(&moto, &redis, &signed_routes, &env);
+    let py = |args: Vec<String>, env: Vec<(String, String)>| {
+        tokio::task::spawn_blocking(move || {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            run_python_env(
+                if args[0] == "agents" {
+                    "s3_agents.py"
+                } else {
+                    "s3_tool.py"
+                },
+                &args[1..],
+                &env,
+            )
+        })
+    };
+    py(
+        vec![
+            "tool".into(),
+            "setup".into(),
+            moto.url(),
+            bucket.into(),
+            key.into(),
+            a.clone(),
+        ],
+        env.clone(),
+    )
+    .await
+    .expect("setup");
+    let run = py(
+        vec![
+            "agents".into(),
+            format!("{a},{b}"),
+            bucket.into(),
+            key.into(),
+            "4".into(),
+            "4".into(),
+        ],
+        env.clone(),
+    )
+    .await
+    .expect("agents");
+    let stored = py(
+        vec!["tool".into(), "read".into(), moto.url(), bucket.into(), key.into()],
+        env.clone(),
+    )
+    .await
+    .expect("read");
+    let (acked, lost, dup) = tally(&run, &stored);
+    assert_eq!(run["errors"], serde_json::json!([]), "{run}");
+    assert_eq!(run["extra_attempts"], 0, "{run}");
+    assert_eq!(acked, 16, "{run}");
+    assert!(lost.is_empty() && dup.is_empty(), "lost {lost:?}, duplicated {dup:?}");
+
+    // The negative control: a sidecar that does not sign reads with the client's signature
+    // of another request, which the store refuses; nothing is written.
+    let unsigned_routes = routes_file(S3_ROUTES);
+    let (_c, c) = sidecar_process(&moto, &redis, &unsigned_routes, &env);
+    let run = py(
+        vec!["agents".into(), c, bucket.into(), key.into(), "1".into(), "1".into()],
+        env.clone(),
+    )
+    .await
+    .expect("agents");
+    assert_eq!(
+        run["acked"],
+        serde_json::json!([]),
+        "an unsigned read was accepted: {run}"
     );
 }

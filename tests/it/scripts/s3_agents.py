@@ -9,6 +9,7 @@ errors it raised, and how many HTTP attempts each put_object took beyond the fir
 usage: s3_agents.py ENDPOINTS BUCKET KEY AGENTS WRITES [--if-match]
 """
 import json
+import os
 import random
 import sys
 import threading
@@ -32,8 +33,8 @@ def client(endpoint):
     c = boto3.client(
         "s3",
         endpoint_url=endpoint,
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
+        aws_access_key_id=os.environ.get("AWS_ACCESS_KEY_ID", "testing"),
+        aws_secret_access_key=os.environ.get("AWS_SECRET_ACCESS_KEY", "testing"),
         region_name="us-east-1",
         config=Config(s3={"addressing_style": "path"}),
     )

@@ -6,9 +6,14 @@ usage:
   s3_tool.py read STORE BUCKET KEY           the object: body, ETag, metadata, content type
   s3_tool.py conditional PROXY BUCKET KEY    put_object with extra headers, then IfMatch= with
                                              the object's ETag and with a stale one
+  s3_tool.py private STORE BUCKET -         on a store that checks signatures (moto with
+                                             INITIAL_NO_AUTH_ACTION_COUNT=3): an IAM user
+                                             allowed s3:*, its access key, and the bucket
+Credentials come from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY ("testing" by default).
 Prints one JSON line.
 """
 import json
+import os
 import sys
 
 import boto3
@@ -19,8 +24,8 @@ cmd, endpoint, bucket, key = sys.argv[1:5]
 c = boto3.client(
     "s3",
     endpoint_url=endpoint,
-    aws_access_key_id="testing",
-    aws_secret_access_key="testing",
+    aws_access_key_id=os.environ.get("AWS_ACCESS_KEY_ID", "testing"),
+    aws_secret_access_key=os.environ.get("AWS_SECRET_ACCESS_KEY", "testing"),
     region_name="us-east-1",
     config=Config(s3={"addressing_style": "path"}),
 )
@@ -49,13 +54,29 @@ def put(**kwargs):
         }
 
 
-if cmd == "setup":
+if cmd == "private":
+    iam = boto3.client("iam", endpoint_url=endpoint, aws_access_key_id="x", aws_secret_access_key="x", region_name="us-east-1")
+    iam.create_user(UserName="agent")
+    policy = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}
+    iam.put_user_policy(UserName="agent", PolicyName="s3", PolicyDocument=json.dumps(policy))
+    key = iam.create_access_key(UserName="agent")["AccessKey"]
+    signed = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id=key["AccessKeyId"],
+        aws_secret_access_key=key["SecretAccessKey"],
+        region_name="us-east-1",
+        config=Config(s3={"addressing_style": "path"}),
+    )
+    signed.create_bucket(Bucket=bucket)
+    print(json.dumps({"key": key["AccessKeyId"], "secret": key["SecretAccessKey"]}))
+elif cmd == "setup":
     c.create_bucket(Bucket=bucket)
     seed = boto3.client(
         "s3",
         endpoint_url=sys.argv[5],
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
+        aws_access_key_id=os.environ.get("AWS_ACCESS_KEY_ID", "testing"),
+        aws_secret_access_key=os.environ.get("AWS_SECRET_ACCESS_KEY", "testing"),
         region_name="us-east-1",
         config=Config(s3={"addressing_style": "path"}),
     )

@@ -82,9 +82,16 @@ impl Drop for Server {
 
 /// moto's standalone S3-compatible server (`moto_server`) on a free port.
 pub fn moto_server() -> Server {
+    moto_server_with(&[])
+}
+
+/// moto's server with `env` (e.g. `INITIAL_NO_AUTH_ACTION_COUNT`, after which it checks
+/// every request's signature against its IAM users).
+pub fn moto_server_with(env: &[(&str, &str)]) -> Server {
     let venv = venv();
     let port = free_port();
     let child = Command::new(venv.join("bin/moto_server"))
+        .envs(env.iter().copied())
         .args(["-H", "127.0.0.1", "-p", &port.to_string()])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -152,6 +159,11 @@ pub fn pouchdb_server() -> Server {
 /// Runs a Python script of `tests/it/scripts` with the virtualenv's interpreter; returns
 /// its standard output's last line parsed as JSON.
 pub fn run_python(script: &str, args: &[&str]) -> serde_json::Value {
+    run_python_env(script, args, &[])
+}
+
+/// [`run_python`] with more environment variables.
+pub fn run_python_env(script: &str, args: &[&str], env: &[(String, String)]) -> serde_json::Value {
     let venv = venv();
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/it/scripts")
@@ -159,6 +171,7 @@ pub fn run_python(script: &str, args: &[&str]) -> serde_json::Value {
     let out = Command::new(venv.join("bin/python"))
         .arg(&path)
         .args(args)
+        .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
         .output()
         .expect("run python");
     let stdout = String::from_utf8_lossy(&out.stdout);
