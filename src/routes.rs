@@ -19,6 +19,16 @@
 //! mode = "merge"
 //! kind = "append"                   # append | patch | put | compact
 //! document = "/api/docs/{session}"  # where the document is read and written back
+//!
+//! [store]                           # the store's protocol (see `dialect`)
+//! dialect = "s3"                    # http (default) | s3 | couchdb
+//!
+//! [[route]]                         # literal text around placeholders; {names} other than
+//! method = "PUT"                    # {session} match their part of one segment
+//! path = "/{bucket}/sessions/{session}.json"
+//! mode = "merge"
+//! kind = "put"
+//! turn = { body = "/turn", optional = true }   # a write without a turn: no stale check
 //! ```
 
 pub mod dialect;
@@ -119,8 +129,13 @@ enum Segment {
         prefix: String,
         suffix: String,
     },
-    /// Another `{name}`: any one segment, its value captured.
-    Param(String),
+    /// Another `{name}`, with literal text before and after it in its segment: its value
+    /// captured.
+    Param {
+        name: String,
+        prefix: String,
+        suffix: String,
+    },
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -173,30 +188,38 @@ impl Template {
                     "path {raw:?}: {part:?} holds an encoded '/' or '\\' or a ';', which stores read as a separator or a parameter"
                 ));
             }
-            if let Some((prefix, suffix)) = seg.split_once("{session}") {
+            if let Some((prefix, rest)) = seg.split_once('{') {
+                let Some((name, suffix)) = rest.split_once('}') else {
+                    return Err(format!("path {raw:?}: {part:?} opens a placeholder it does not close"));
+                };
                 if [prefix, suffix].iter().any(|t| t.contains('{') || t.contains('}')) {
                     return Err(format!(
-                        "path {raw:?}: {part:?} holds another placeholder beside {{session}} (one placeholder per segment)"
+                        "path {raw:?}: {part:?} holds another placeholder beside {{{name}}} (one placeholder per segment)"
                     ));
                 }
-                segments.push(Segment::Session {
-                    prefix: prefix.to_owned(),
-                    suffix: suffix.to_owned(),
-                });
-            } else if let Some(name) = seg.strip_prefix('{').and_then(|s| s.strip_suffix('}')) {
                 if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
                     return Err(format!(
                         "path {raw:?}: {part:?} is not a placeholder: a name is letters, digits and '_'"
                     ));
                 }
-                if segments.contains(&Segment::Param(name.to_owned())) {
-                    return Err(format!("path {raw:?}: {{{name}}} appears twice"));
+                let (prefix, suffix) = (prefix.to_owned(), suffix.to_owned());
+                if name == "session" {
+                    segments.push(Segment::Session { prefix, suffix });
+                } else {
+                    if segments
+                        .iter()
+                        .any(|s| matches!(s, Segment::Param { name: n, .. } if n == name))
+                    {
+                        return Err(format!("path {raw:?}: {{{name}}} appears twice"));
+                    }
+                    segments.push(Segment::Param {
+                        name: name.to_owned(),
+                        prefix,
+                        suffix,
+                    });
                 }
-                segments.push(Segment::Param(name.to_owned()));
-            } else if seg.contains('{') || seg.contains('}') {
-                return Err(format!(
-                    "path {raw:?}: unknown placeholder in {part:?} (literal text may surround {{session}} only; any other {{name}} is a whole segment)"
-                ));
+            } else if seg.contains('}') {
+                return Err(format!("path {raw:?}: {part:?} closes a placeholder it does not open"));
             } else if seg.is_empty() || seg == "." || seg == ".." {
                 return Err(format!(
                     "path {raw:?} holds an empty or dot segment, which stores normalize away"
@@ -236,18 +259,11 @@ impl Template {
                 Segment::Literal(lit) if same(lit, part) => {}
                 Segment::Literal(_) => return None,
                 Segment::Session { prefix, suffix } => {
-                    let (p, s) = (prefix.len(), suffix.len());
-                    if part.len() <= p + s {
-                        return None;
-                    }
-                    let head = part.get(..p)?;
-                    let tail = part.get(part.len() - s..)?;
-                    if !same(prefix, head) || !same(suffix, tail) {
-                        return None;
-                    }
-                    session = Some(part.get(p..part.len() - s)?.to_owned());
+                    session = Some(between(part, prefix, suffix, &same)?.to_owned());
                 }
-                Segment::Param(name) => params.push((name.clone(), part.clone())),
+                Segment::Param { name, prefix, suffix } => {
+                    params.push((name.clone(), between(part, prefix, suffix, &same)?.to_owned()));
+                }
             }
         }
         session.map(|session| Captures { session, params })
@@ -256,7 +272,7 @@ impl Template {
     /// The names of the placeholders other than `{session}`.
     fn params(&self) -> impl Iterator<Item = &str> {
         self.segments.iter().filter_map(|s| match s {
-            Segment::Param(name) => Some(name.as_str()),
+            Segment::Param { name, .. } => Some(name.as_str()),
             _ => None,
         })
     }
@@ -286,10 +302,12 @@ impl Template {
                     out.push_str(&captures.session);
                     out.push_str(suffix);
                 }
-                Segment::Param(name) => {
+                Segment::Param { name, prefix, suffix } => {
+                    out.push_str(prefix);
                     if let Some((_, v)) = captures.params.iter().find(|(n, _)| n == name) {
                         out.push_str(v);
                     }
+                    out.push_str(suffix);
                 }
             }
         }
@@ -303,6 +321,20 @@ impl Template {
     fn same_path(&self, other: &Self) -> bool {
         self.segments == other.segments
     }
+}
+
+/// The non-empty text of `part` between `prefix` and `suffix`, compared with `same`.
+fn between<'a>(part: &'a str, prefix: &str, suffix: &str, same: impl Fn(&str, &str) -> bool) -> Option<&'a str> {
+    let (p, s) = (prefix.len(), suffix.len());
+    if part.len() <= p + s {
+        return None;
+    }
+    let head = part.get(..p)?;
+    let tail = part.get(part.len() - s..)?;
+    if !same(prefix, head) || !same(suffix, tail) {
+        return None;
+    }
+    part.get(p..part.len() - s)
 }
 
 /// `pchar` and `/` of RFC 3986, plus the braces of the placeholder.
@@ -705,8 +737,13 @@ mod tests {
         for (toml, needle) in [
             (route("path='/x/{session}?a=1'\nmode='serialize'"), "query string"),
             (
-                route("path='/x/{session}/a{thread}'\nmode='serialize'"),
-                "unknown placeholder",
+                route("path='/x/{session}/a{thread'\nmode='serialize'"),
+                "does not close",
+            ),
+            (route("path='/x/{session}/a}b'\nmode='serialize'"), "does not open"),
+            (
+                route("path='/x/{session}/{a-b}'\nmode='serialize'"),
+                "a name is letters",
             ),
             (
                 route("path='/x/{session}/{thread}'\nmode='merge'\nkind='put'\ndocument='/y/{session}/{other}'"),
@@ -836,6 +873,20 @@ mod tests {
         // A case-insensitive router reads the suffix regardless of case too.
         let (_, c) = routes.find(&Method::PUT, "/b1/Sessions/s-7.JSON").unwrap().unwrap();
         assert_eq!(c.session, "s-7");
+        // Literal text may surround any placeholder.
+        let layout = "[[route]]\nmethod='PUT'\npath='/{bucket}/session_{session}/agents/agent_{agent}/agent.json'\nmode='merge'\nkind='put'\nturn={body='/turn',optional=true}";
+        let routes = Routes::from_toml(layout, "/v1/sessions").unwrap();
+        let (r, c) = routes
+            .find(&Method::PUT, "/b/session_s1/agents/agent_a9/agent.json")
+            .unwrap()
+            .unwrap();
+        assert_eq!(c.session, "s1");
+        assert_eq!(c.params[1], ("agent".to_owned(), "a9".to_owned()));
+        assert_eq!(r.path.render_with(&c), "/b/session_s1/agents/agent_a9/agent.json");
+        assert!(routes
+            .find(&Method::PUT, "/b/session_s1/agents/agent_/agent.json")
+            .unwrap()
+            .is_none());
         // Without other placeholders the key is the session itself.
         let plain = Captures {
             session: "s1".into(),
