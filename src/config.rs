@@ -103,6 +103,10 @@ pub struct ProxyArgs {
     /// for a shorter wait with `X-Wait-Deadline-Ms`.
     #[arg(long, env = "TURNLOCK_WAIT_DEADLINE_MS", default_value_t = DEFAULT_WAIT_DEADLINE_MS)]
     pub wait_deadline_ms: u64,
+    /// CA certificates (PEM) that an `https://` store's certificate may chain to, besides the
+    /// system's roots.
+    #[arg(long, env = "TURNLOCK_UPSTREAM_CA")]
+    pub upstream_ca: Option<std::path::PathBuf>,
 }
 
 /// The default wait deadline: room for a few dozen read-merge-writes (tens of ms each) of
@@ -260,6 +264,7 @@ impl ProxyArgs {
             upstream_max_connections: 256,
             upstream_idle_timeout_ms: 30_000,
             wait_deadline_ms: DEFAULT_WAIT_DEADLINE_MS,
+            upstream_ca: None,
         }
     }
 }

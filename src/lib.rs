@@ -5,11 +5,11 @@
 //! - [`session`]: session ids, turns, the stale rule and the Redis keys (pure).
 //! - [`merge`]: how each kind of write changes a session document (pure), one file per
 //!   operation.
-//! - [`routes`]: which requests are writes and how each is handled.
+//! - [`routes`]: which requests are writes and how each is handled; the store dialects.
 //! - [`lock`]: the session lock (Redis or in-memory): grant, fencing token, renewal, release,
 //!   and the version fence for stores without ETags.
 //! - [`records`]: expiring records (idempotency results, version snapshots).
-//! - [`upstream`]: the HTTP client to the context store.
+//! - [`upstream`]: the HTTP client to the context store (TLS, SigV4 signing).
 //! - [`proxy`]: the agent-facing service: its tower layers (catch-panic, trace, request
 //!   metrics), request parsing, the write pipeline (idempotency, coalescing queue, merge and
 //!   forward commits), the error map, and pass-through forwarding.

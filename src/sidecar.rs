@@ -123,6 +123,7 @@ fn assemble(args: &ProxyArgs) -> Result<Assembled, StartError> {
             body: args.max_body_bytes,
             document: args.max_document_bytes,
         },
+        upstream_ca: args.upstream_ca.clone(),
     };
     let upstream = factory.upstream(&args.upstream).map_err(ConfigError)?;
     let proxy = factory.proxy(upstream.clone());

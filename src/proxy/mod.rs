@@ -21,6 +21,7 @@
 //! 7. `error`: every refusal or failure of a write made an answer in one place.
 
 mod answer;
+mod dialect;
 mod error;
 mod factory;
 mod layers;
@@ -95,17 +96,17 @@ impl Proxy {
         let inner = &self.inner;
         let path = req.uri().path().to_owned();
         let (route_name, mut res) = match inner.routes.find(req.method(), &path) {
-            Ok(Some((route, session))) => {
+            Ok(Some((route, captures))) => {
                 let _in_flight = inner.metrics.write_in_flight();
                 let (parts, body) = req.into_parts();
-                let res = match request::parse(route, &session, &parts, body, inner.max_body).await {
+                let res = match request::parse(route, &captures, &parts, body, inner.max_body).await {
                     Ok(write) => {
                         let (session, turn, started) = (write.session.to_string(), write.turn, Instant::now());
                         let answer = inner.pipeline.submit(write).await;
                         log_write(route.name, &session, turn, &answer, started);
-                        answer.into_response()
+                        dialect::answer(route.dialect, &captures, answer)
                     }
-                    Err(refusal) => refusal.into_response(),
+                    Err(refusal) => dialect::refusal(route.dialect, refusal),
                 };
                 (route.name, res)
             }
@@ -143,6 +144,10 @@ impl Proxy {
         parts.headers.remove(crate::upstream::FENCING_TOKEN);
         append_forwarded_for(&mut parts.headers, peer);
         parts.version = http::Version::HTTP_11;
+        let parts = match upstream.sign_forwarded(parts) {
+            Ok(parts) => parts,
+            Err(e) => return error(e.status(), e.code(), e, None),
+        };
         let (body, body_sent) = passthrough::Reported::new(body, upstream.timeout());
         let req = Request::from_parts(parts, body.boxed());
         match upstream.forward(req, body_sent).await {

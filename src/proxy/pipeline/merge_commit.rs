@@ -1,11 +1,10 @@
-//! The merge commit: read the document once, apply the batch's writes in order, write it back
-//! once under the store's `If-Match` (or the commit slot, for a store without ETags).
+//! The merge commit: read the document once under its commit slot, apply the batch's writes in
+//! order, write it back once (under the store's `If-Match` too, when it gives ETags).
 
 use std::collections::HashMap;
-use std::sync::atomic::Ordering;
 
 use bytes::Bytes;
-use http::header;
+use http::header::{self, HeaderValue};
 use http::StatusCode;
 use serde_json::json;
 use tokio::time::Instant;
@@ -13,6 +12,7 @@ use tokio::time::Instant;
 use super::errors::refused;
 use super::queue::{Pending, Queue};
 use super::slot::SlotHold;
+use super::store_fields;
 use super::{Shared, MAX_ATTEMPTS};
 use crate::http::etag_for;
 use crate::lock::{Lease, Settled};
@@ -22,7 +22,8 @@ use crate::proxy::error::WriteError;
 use crate::proxy::request::Action;
 use crate::redis_conn::Entry;
 use crate::session::{Scope, SessionId};
-use crate::upstream::{Precondition, UpstreamError};
+use crate::upstream::StoreParts;
+use crate::upstream::UpstreamError;
 
 pub(super) async fn merge_batch(
     s: &Shared,
@@ -55,32 +56,30 @@ pub(super) async fn merge_attempts(
     let started = Instant::now();
     let session = &queue.session;
     let mut attempt = 0;
-    let mut force_slot = false;
     loop {
         attempt += 1;
-        // Without ETags the document is read under its commit slot: what is read is then the
-        // latest commit (or what the store holds after a change made behind turnlock's back,
-        // such as a delete), and nothing is committed between this read and this write.
-        if force_slot || !s.etags_seen.load(Ordering::Relaxed) {
-            if let Err(answer) = slot.hold(s, lease).await {
-                return (vec![answer; batch.len()], false);
-            }
+        // The document is read under its commit slot, whether or not the store gives ETags:
+        // writers of different turns hold different locks, and a store's `If-Match` may be
+        // weak (an ETag of size and whole-second mtime) or checked apart from the write. What
+        // is read is then the latest commit (or what the store holds after a change made
+        // behind turnlock's back, such as a delete), and nothing is committed between this
+        // read and this write; the store's precondition is checked on top.
+        if let Err(answer) = slot.hold(s, lease).await {
+            return (vec![answer; batch.len()], false);
         }
-        let fetched = match s.upstream.get_document(path).await {
+        let store = store_parts(batch);
+        let dialect = store.dialect;
+        let fetched = match s.upstream.get_document_with(path, store).await {
             Ok(f) => f,
             Err(e) => return (vec![Answer::from(WriteError::Upstream(e)); batch.len()], false),
         };
-        if fetched.etag.is_some() {
-            s.etags_seen.store(true, Ordering::Relaxed);
-        } else if fetched.doc.is_some() && !slot.held() {
-            // A document without an ETag from a store that gave them: read again under the slot.
-            force_slot = true;
-            continue;
-        }
-        let current = fetched.doc;
+        // The store's own fields are the store's: out of the merge, put back on the write.
+        let (mut current, managed) = store_fields::split(dialect, fetched.doc);
+        let tag = store_fields::version_tag(dialect, fetched.etag.as_ref(), &managed);
+        let mut bases = load_bases(s, &queue.scope, batch, current.as_ref()).await;
+        changed_behind_our_back(s, &queue.scope, batch, &mut current, &mut bases).await;
         let current_version = current.as_ref().map(merge::version_of).unwrap_or(0);
-        let bases = load_bases(s, &queue.scope, batch, current.as_ref()).await;
-        let (doc, results) = apply_batch(session, current.as_ref(), batch, &bases);
+        let (doc, results) = apply_batch(session, current.as_ref(), tag.as_ref(), batch, &bases);
         let refusals = |results: Vec<Result<merge::Applied, MergeError>>, on_ok: &Answer| -> Vec<Answer> {
             results
                 .into_iter()
@@ -108,12 +107,13 @@ pub(super) async fn merge_attempts(
         next.insert("version".into(), json!(new_version));
         // A document gets its life when turnlock first writes it (see `merge::LIFE`).
         next.entry(merge::LIFE).or_insert_with(|| json!(lease.fence()));
-        let precondition = match (&current, fetched.etag) {
-            (None, _) => Precondition::Absent,
-            (Some(_), Some(tag)) => Precondition::IfMatch(tag),
-            (Some(_), None) => Precondition::None,
+        store_fields::strip(dialect, &mut next);
+        let precondition = store_fields::precondition(dialect, current.is_some(), fetched.etag);
+        let body = match store_fields::for_store(dialect, &next, &managed) {
+            Some(doc) => serde_json::to_vec(&doc),
+            None => serde_json::to_vec(&next),
         };
-        let body = Bytes::from(serde_json::to_vec(&next).unwrap_or_default());
+        let body = Bytes::from(body.unwrap_or_default());
         if body.len() > s.settings.max_document_bytes {
             return (
                 refusals(
@@ -126,7 +126,11 @@ pub(super) async fn merge_attempts(
                 false,
             );
         }
-        match s.upstream.put_document(path, body, &precondition, lease.fence()).await {
+        match s
+            .upstream
+            .put_document_with(path, body, &precondition, lease.fence(), store)
+            .await
+        {
             Ok(etag) => {
                 records.push(Entry {
                     key: queue.scope.history(new_version),
@@ -172,12 +176,96 @@ pub(super) async fn merge_attempts(
     }
 }
 
+/// What the write-back keeps of the batch's requests: the last merge write's (its headers,
+/// and its store's dialect).
+fn store_parts(batch: &[Pending]) -> &StoreParts {
+    static NONE: std::sync::OnceLock<StoreParts> = std::sync::OnceLock::new();
+    batch
+        .iter()
+        .rev()
+        .find_map(|p| match &p.write.action {
+            Action::Merge { store, .. } => Some(store),
+            _ => None,
+        })
+        .unwrap_or_else(|| NONE.get_or_init(StoreParts::default))
+}
+
+/// The turn a write is merged at: its own, or — a write that named none, on a route whose
+/// turn is optional — the stored turn, so it is never stale and moves no turn.
+fn turn_at(p: &Pending, on: Option<&Document>) -> u64 {
+    if p.write.turn_given {
+        p.write.turn
+    } else {
+        on.map(merge::turn_of).unwrap_or(0)
+    }
+}
+
+/// A write that names the store's own entity tag (`If-Match` in the store's format): refused
+/// as the store would refuse it unless the document is still at that tag, and then merged
+/// against that version. A write to a foreign store's document that turnlock never wrote,
+/// based on no version: merged against that document. Any other write as it is.
+fn with_store_precondition<'a>(
+    p: &'a Pending,
+    op: &'a Op,
+    on: Option<&Document>,
+    etag: Option<&HeaderValue>,
+    first: bool,
+) -> Result<std::borrow::Cow<'a, Op>, MergeError> {
+    let Action::Merge { store, .. } = &p.write.action else {
+        return Ok(std::borrow::Cow::Borrowed(op));
+    };
+    let Some(wanted) = &store.if_match else {
+        // A document turnlock never wrote (no `version`) has one version it knows: the
+        // store's own. A copy of it that names no version is based on it.
+        return Ok(match (op, on) {
+            (
+                Op::Put {
+                    doc,
+                    base_version: None,
+                },
+                Some(cur),
+            ) if !store.dialect.answers_natively() && !cur.contains_key("version") => {
+                std::borrow::Cow::Owned(Op::Put {
+                    doc: doc.clone(),
+                    base_version: Some(0),
+                })
+            }
+            _ => std::borrow::Cow::Borrowed(op),
+        });
+    };
+    let Some(doc) = on else {
+        return Err(MergeError::NotFound);
+    };
+    let current = merge::version_of(doc);
+    // Only the first write of the batch can still see the document at the tag it names.
+    let any = wanted.as_bytes() == b"*";
+    let same = etag.is_some_and(|tag| store_fields::bare(tag.as_bytes()) == store_fields::bare(wanted.as_bytes()));
+    if !any && (!first || !same) {
+        return Err(MergeError::VersionMismatch {
+            expected: None,
+            current,
+        });
+    }
+    Ok(match op {
+        Op::Put {
+            doc,
+            base_version: None,
+        } => std::borrow::Cow::Owned(Op::Put {
+            doc: doc.clone(),
+            base_version: Some(current),
+        }),
+        other => std::borrow::Cow::Borrowed(other),
+    })
+}
+
 /// Applies a batch's writes one after another to the current document. Consecutive appends
 /// are merged as one (the document is copied once for them, not once per write), each write
 /// still getting its own result.
+/// `etag` is the one the store gave the current document (for writes naming the store's own).
 pub(super) fn apply_batch(
     session: &SessionId,
     current: Option<&Document>,
+    etag: Option<&HeaderValue>,
     batch: &[Pending],
     bases: &HashMap<u64, Snapshot>,
 ) -> (Option<Document>, Vec<Result<merge::Applied, MergeError>>) {
@@ -186,11 +274,11 @@ pub(super) fn apply_batch(
     let mut results = Vec::with_capacity(batch.len());
     let mut i = 0;
     while i < batch.len() {
-        let turn = batch[i].write.turn;
+        let turn = turn_at(&batch[i], doc.as_ref().or(current));
         let run = batch[i..]
             .iter()
             .take_while(|p| {
-                p.write.turn == turn
+                turn_at(p, doc.as_ref().or(current)) == turn
                     && matches!(
                         &p.write.action,
                         Action::Merge {
@@ -230,11 +318,20 @@ pub(super) fn apply_batch(
             continue;
         }
         let p = &batch[i];
+        let first = i == 0;
         i += 1;
         let Action::Merge { op, .. } = &p.write.action else {
             results.push(Err(MergeError::NotFound));
             continue;
         };
+        let op = match with_store_precondition(p, op, doc.as_ref().or(current), etag, first) {
+            Ok(op) => op,
+            Err(e) => {
+                results.push(Err(e));
+                continue;
+            }
+        };
+        let op = op.as_ref();
         let base = match op {
             Op::Put {
                 base_version: Some(v), ..
@@ -244,7 +341,7 @@ pub(super) fn apply_batch(
         match merge::apply(
             session,
             doc.as_ref().or(current),
-            p.write.turn,
+            turn_at(p, doc.as_ref().or(current)),
             op,
             base,
             &mut RandomIds,
@@ -257,6 +354,44 @@ pub(super) fn apply_batch(
         }
     }
     (doc, results)
+}
+
+/// A stored document that differs from what turnlock committed as its version (a writer
+/// reached the store without the sidecar and kept the `version` it read) is a newer version:
+/// a merged PUT based on that version is merged against what turnlock committed, so the
+/// other writer's change is kept rather than taken as deleted by the client. Checked only
+/// when a write of the batch is based on the current version (one Redis read).
+async fn changed_behind_our_back(
+    s: &Shared,
+    scope: &Scope,
+    batch: &[Pending],
+    current: &mut Option<Document>,
+    bases: &mut HashMap<u64, Snapshot>,
+) {
+    let Some(doc) = current.as_mut() else { return };
+    let v = merge::version_of(doc);
+    let based_on_current = batch.iter().any(|p| {
+        matches!(
+            &p.write.action,
+            Action::Merge {
+                op: Op::Put { base_version: Some(b), .. },
+                ..
+            } if *b == v && v > 0
+        )
+    });
+    if !based_on_current {
+        return;
+    }
+    let Ok(Some(bytes)) = s.records.get(&scope.history(v)).await else {
+        return;
+    };
+    let Ok(committed) = serde_json::from_slice::<Snapshot>(&bytes) else {
+        return;
+    };
+    if committed != Snapshot::of(doc) {
+        doc.insert("version".into(), json!(v + 1));
+        bases.insert(v, committed);
+    }
 }
 
 /// The snapshots of the versions that merged PUTs in the batch were based on. The current

@@ -14,11 +14,11 @@
 //!
 //! Writers of different turns hold different locks. Their commits of one document are
 //! ordered by the document's commit slot in Redis (see `slot_take.lua`): taken before the
-//! read, given back once the store answered. Every serialized write and every merge write to
-//! a store without ETags goes through it; with a store that answers ETags, `If-Match` orders
-//! merge writes and the slot is skipped.
+//! read, given back once the store answered. Every write goes through it: the order of commits
+//! never rests on the store's `If-Match` alone (a store's ETag may be weak, its check not
+//! atomic with the write), which is checked on top.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -44,6 +44,7 @@ mod idempotency;
 mod merge_commit;
 mod queue;
 mod slot;
+mod store_fields;
 
 use self::errors::unanswered;
 use self::forward::{delete_batch, serialize_batch};
@@ -95,9 +96,6 @@ struct Shared {
     gates: DashMap<SessionId, Arc<tokio::sync::Mutex<()>>>,
     tracker: TaskTracker,
     next_id: AtomicU64,
-    /// Set once the store answered a read with an ETag: its `If-Match` then orders merge
-    /// writes, and they skip the commit slot.
-    etags_seen: AtomicBool,
 }
 
 // === impl Pipeline ===
@@ -125,7 +123,6 @@ impl Pipeline {
                 gates: DashMap::new(),
                 tracker: TaskTracker::new(),
                 next_id: AtomicU64::new(1),
-                etags_seen: AtomicBool::new(false),
             }),
         }
     }

@@ -132,10 +132,12 @@ mod tests {
         let write = WriteRequest {
             session: q.session.clone(),
             turn: q.turn,
+            turn_given: true,
             route: "append",
             action: Action::Merge {
                 op: Op::Append { messages: Vec::new() },
                 document: "/v1/sessions/s-1".into(),
+                store: Default::default(),
             },
             idempotency: None,
             wait: None,
