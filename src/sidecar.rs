@@ -59,6 +59,8 @@ struct Assembled {
     factory: ProxyFactory,
     upstream: crate::upstream::Upstream,
     proxy: crate::proxy::Proxy,
+    /// The Redis connection, when there is one (checked once at start).
+    redis: Option<RedisConn>,
 }
 
 fn assemble(args: &ProxyArgs) -> Result<Assembled, StartError> {
@@ -70,18 +72,23 @@ fn assemble(args: &ProxyArgs) -> Result<Assembled, StartError> {
         Duration::from_millis(args.upstream_timeout_ms),
         Duration::from_secs(args.session_ttl_secs),
     );
+    let mut redis = None;
     let (locks, records) = match &args.redis {
         Some(url) => {
-            let conn = RedisConn::open(url, Duration::from_millis(args.redis_timeout_ms)).map_err(conn_error)?;
+            let options = args.redis_options();
+            let conn = RedisConn::open_with(url, Duration::from_millis(args.redis_timeout_ms), &options)
+                .map_err(conn_error)?;
             conn.count_errors(metrics.clone());
             tracing::info!(redis = conn.display(), "locks, fences and idempotency records in Redis");
             let mut locks = RedisLocks::new(conn.clone(), keys.clone(), settings, metrics.clone());
             if args.redis_wait_replicas > 0 {
                 let wait = Duration::from_millis(args.redis_wait_timeout_ms);
                 let wait_conn =
-                    RedisConn::open(url, Duration::from_millis(args.redis_timeout_ms) + wait).map_err(conn_error)?;
+                    RedisConn::open_with(url, Duration::from_millis(args.redis_timeout_ms) + wait, &options)
+                        .map_err(conn_error)?;
                 locks = locks.with_replica_wait(wait_conn, args.redis_wait_replicas, wait);
             }
+            redis = Some(conn.clone());
             (Locks::Redis(locks.into()), Records::Redis(conn))
         }
         None => {
@@ -133,6 +140,7 @@ fn assemble(args: &ProxyArgs) -> Result<Assembled, StartError> {
         factory,
         upstream,
         proxy,
+        redis,
     })
 }
 
@@ -154,7 +162,11 @@ pub async fn start(args: ProxyArgs) -> Result<Running, StartError> {
         factory,
         upstream,
         proxy,
+        redis,
     } = assemble(&args)?;
+    if let Some(conn) = &redis {
+        check_redis(conn).await?;
+    }
     let listener = TcpListener::bind(args.listen)
         .await
         .map_err(|e| StartError::bind(args.listen, e))?;
@@ -230,11 +242,28 @@ pub async fn start(args: ProxyArgs) -> Result<Running, StartError> {
     })
 }
 
+/// With TLS or credentials, one first connection: a Redis that refuses them (an untrusted
+/// certificate, a wrong password) stops the start with the reason; one that is only down
+/// lets the proxy start, unready, with the reason in `/readyz`.
+async fn check_redis(conn: &RedisConn) -> Result<(), StartError> {
+    if !conn.has_tls_or_credentials() {
+        return Ok(());
+    }
+    match conn.check_at_startup().await {
+        Ok(()) => Ok(()),
+        Err(e @ crate::redis_conn::StartupCheck::Refused { .. }) => Err(StartError::Backend(e.to_string())),
+        Err(error) => {
+            tracing::warn!(%error, "starting unready: /readyz reports Redis until it answers");
+            Ok(())
+        }
+    }
+}
+
 /// A Redis URL that does not parse is bad configuration; any other failure to set the
 /// connection up is the backend's.
 fn conn_error(e: ConnError) -> StartError {
     match e {
-        ConnError::InvalidUrl { .. } => StartError::Config(ConfigError(e.to_string())),
+        ConnError::InvalidUrl { .. } | ConnError::Setting(_) => StartError::Config(ConfigError(e.to_string())),
         ConnError::Redis(_) => StartError::Backend(e.to_string()),
     }
 }

@@ -234,14 +234,14 @@ fn check_upstream(u: &str) -> Result<(), InvalidAnnotation> {
     }
 }
 
+/// The sidecar's own check of its `--redis` URL, so an admitted pod's sidecar accepts it.
 fn redis_url(key: &'static str, u: String) -> Result<RedisSource, InvalidAnnotation> {
-    if u.starts_with("redis://") || u.starts_with("rediss://") || u.starts_with("redis+sentinel://") {
-        Ok(RedisSource::Url(u))
-    } else {
-        Err(invalid(
+    match crate::redis_url::check(&u) {
+        Ok(()) => Ok(RedisSource::Url(u)),
+        Err(reason) => Err(invalid(
             key,
-            "expected a redis://, rediss:// or redis+sentinel:// URL".into(),
-        ))
+            format!("the sidecar would refuse this Redis URL: {reason}"),
+        )),
     }
 }
 
