@@ -146,9 +146,9 @@ impl Failure {
 }
 
 fn is_refusal(e: &RedisError) -> bool {
-    let text = e.to_string();
+    let text = e.to_string().to_ascii_lowercase();
     matches!(e.kind(), redis::ErrorKind::AuthenticationFailed)
-        || ["WRONGPASS", "NOAUTH", "NOPERM", "AlertReceived", "certificate"]
+        || ["wrongpass", "noauth", "noperm", "fatal alert", "certificate"]
             .iter()
             .any(|m| text.contains(m))
 }
@@ -263,6 +263,7 @@ impl RedisConn {
         let url = self.display().to_owned();
         let bound = self.inner.connect_timeout * 3;
         let attempt = async {
+            self.probe_tls().await?;
             let conn = self.connect().await?;
             let mut c = conn.clone();
             redis::cmd("PING")
@@ -288,6 +289,43 @@ impl RedisConn {
                 url,
                 reason: format!("no answer within {bound:?}"),
             }),
+        }
+    }
+
+    /// Over TLS 1.3 a server that refuses the client's certificate says so only after the
+    /// handshake, in an alert the client reads: one `PING` on a raw TLS stream reads it, so a
+    /// missing or unaccepted client certificate is told apart from a server that is down.
+    async fn probe_tls(&self) -> Result<(), Failure> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (host, port) = match &self.inner.source {
+            Source::Tls { host, port, .. } => (host.clone(), *port),
+            Source::Sentinel { tls: true, .. } => {
+                let client = self.sentinel_client().await?;
+                match client.get_connection_info().addr() {
+                    ConnectionAddr::TcpTls { host, port, .. } => (host.clone(), *port),
+                    _ => return Ok(()),
+                }
+            }
+            _ => return Ok(()),
+        };
+        let mut stream = self.tls_stream(&host, port).await?;
+        let refused = |e: std::io::Error| {
+            if e.get_ref().is_some_and(|i| i.is::<rustls::Error>()) {
+                Failure::Refused(io_error(&format!("TLS: {e} (check --redis-cert and --redis-key)")))
+            } else {
+                Failure::Unreachable(RedisError::from(e))
+            }
+        };
+        stream.write_all(b"*1\r\n$4\r\nPING\r\n").await.map_err(refused)?;
+        stream.flush().await.map_err(refused)?;
+        let mut reply = [0u8; 64];
+        match tokio::time::timeout(self.inner.connect_timeout, stream.read(&mut reply)).await {
+            Ok(Ok(0)) => Err(Failure::Refused(io_error(
+                "Redis closed the connection after the TLS handshake (does it require a client certificate? --redis-cert, --redis-key)",
+            ))),
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => Err(refused(e)),
+            Err(_) => Err(Failure::Unreachable(io_error("no answer to PING over TLS"))),
         }
     }
 
@@ -389,7 +427,8 @@ impl RedisConn {
     /// The connection's credentials: the URL's, with `--redis-username` and the password
     /// file (read now, so a rotated Secret is used by the next connection) over them.
     fn credentials(&self, base: &RedisConnectionInfo) -> Result<RedisConnectionInfo, Failure> {
-        let mut info = base.clone();
+        // No `CLIENT SETINFO` at connect: one command fewer for the ACL to allow.
+        let mut info = base.clone().set_skip_set_lib_name();
         if let Some(user) = &self.inner.options.username {
             info = info.set_username(user);
         }

@@ -22,6 +22,7 @@ mod inject_webhook;
 mod operability;
 mod passthrough;
 mod proxy_service;
+mod redis_tls;
 mod release_records;
 mod route_matching;
 mod soak;

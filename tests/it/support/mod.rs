@@ -6,6 +6,7 @@
 pub mod ledger;
 pub mod relay;
 mod stores;
+pub mod tls;
 
 pub use stores::{front_store, serve, PutDelay};
 
