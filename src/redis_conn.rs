@@ -51,12 +51,13 @@ pub struct ConnOptions {
 /// Why a first connection failed, as a startup check tells it.
 #[derive(Debug, thiserror::Error)]
 pub enum StartupCheck {
-    /// Redis answered but refused us: an untrusted certificate, a client certificate it
-    /// does not accept, a wrong user or password. Starting would not help.
+    /// The TLS exchange failed: an untrusted certificate or one for another name, a client
+    /// certificate Redis does not accept. Starting would not help.
     #[error("Redis at {url} refused the connection: {reason}")]
     Refused { url: String, reason: String },
-    /// Redis did not answer (down, or not reachable yet); `/readyz` reports it until it does.
-    #[error("Redis at {url} not reachable yet: {reason}")]
+    /// Redis did not answer (down, or not reachable yet) or refused the credentials; `/readyz`
+    /// reports it until it answers.
+    #[error("Redis at {url} not usable yet: {reason}")]
     Unreachable { url: String, reason: String },
 }
 
@@ -135,7 +136,7 @@ impl Failure {
         }
     }
 
-    /// Sorts an error from redis-rs: a wrong user or password is a refusal.
+    /// Sorts an error from redis-rs: a failed certificate exchange is a refusal.
     fn of(e: RedisError) -> Self {
         if is_refusal(&e) {
             Self::Refused(e)
@@ -145,12 +146,12 @@ impl Failure {
     }
 }
 
+/// A TLS refusal: the certificate exchange failed. (A wrong password is not one: the proxy
+/// starts and reports it, so a password rotated in Redis before its Secret does not stop
+/// pods from starting.)
 fn is_refusal(e: &RedisError) -> bool {
     let text = e.to_string().to_ascii_lowercase();
-    matches!(e.kind(), redis::ErrorKind::AuthenticationFailed)
-        || ["wrongpass", "noauth", "noperm", "fatal alert", "certificate"]
-            .iter()
-            .any(|m| text.contains(m))
+    ["fatal alert", "certificate"].iter().any(|m| text.contains(m))
 }
 
 impl RedisConn {
@@ -257,8 +258,8 @@ impl RedisConn {
     }
 
     /// One first connection and a `PING`, to refuse a start that cannot work (an untrusted
-    /// certificate, a wrong password) while a Redis that is only down lets the proxy start
-    /// unready.
+    /// certificate, a client certificate refused) while a Redis that is only down, or refuses
+    /// the password, lets the proxy start and report it.
     pub async fn check_at_startup(&self) -> Result<(), StartupCheck> {
         let url = self.display().to_owned();
         let bound = self.inner.connect_timeout * 3;
@@ -329,14 +330,9 @@ impl RedisConn {
         }
     }
 
-    /// Whether connections carry TLS or credentials (what a startup check can find wrong).
-    pub fn has_tls_or_credentials(&self) -> bool {
-        let url_auth = match &self.inner.source {
-            Source::Direct(info) => info.redis_settings().password().is_some(),
-            Source::Tls { .. } => true,
-            Source::Sentinel { spec, .. } => spec.password.is_some(),
-        };
-        self.inner.tls.is_some() || url_auth || self.inner.options.password_file.is_some()
+    /// Whether connections use TLS (what a startup check can find wrong).
+    pub fn uses_tls(&self) -> bool {
+        self.inner.tls.is_some()
     }
 
     /// An error text with the password file's content replaced, should anything quote it.

@@ -242,18 +242,18 @@ pub async fn start(args: ProxyArgs) -> Result<Running, StartError> {
     })
 }
 
-/// With TLS or credentials, one first connection: a Redis that refuses them (an untrusted
-/// certificate, a wrong password) stops the start with the reason; one that is only down
-/// lets the proxy start, unready, with the reason in `/readyz`.
+/// Over TLS, one first connection: a failed certificate exchange (an untrusted certificate,
+/// a client certificate refused) stops the start with the reason; a Redis that is down or
+/// refuses the password lets the proxy start, with the reason in `/readyz`.
 async fn check_redis(conn: &RedisConn) -> Result<(), StartError> {
-    if !conn.has_tls_or_credentials() {
+    if !conn.uses_tls() {
         return Ok(());
     }
     match conn.check_at_startup().await {
         Ok(()) => Ok(()),
         Err(e @ crate::redis_conn::StartupCheck::Refused { .. }) => Err(StartError::Backend(e.to_string())),
         Err(error) => {
-            tracing::warn!(%error, "starting unready: /readyz reports Redis until it answers");
+            tracing::warn!(%error, "starting: /readyz reports Redis until it answers");
             Ok(())
         }
     }
