@@ -446,3 +446,88 @@ async fn the_injector_admits_exactly_the_redis_urls_the_proxy_starts_with() {
     }
     assert_eq!((admitted, refused), (9, 8));
 }
+
+/// A Redis Sentinel serving TLS on `tls_port` (and plaintext on another port), watching the
+/// primary over TLS; killed on drop.
+struct TlsSentinel {
+    tls_port: u16,
+    child: std::process::Child,
+    _dir: tempfile::TempDir,
+}
+
+impl TlsSentinel {
+    fn start(ca: &TestCa, primary_tls_port: u16) -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (port, tls_port) = (free_port(), free_port());
+        let (cert, key) = ca.issue("sentinel", &["localhost", "127.0.0.1"]);
+        let conf = dir.path().join("sentinel.conf");
+        std::fs::write(
+            &conf,
+            format!(
+                "port {port}\nbind 127.0.0.1\ndir {dir}\n\
+                 tls-port {tls_port}\ntls-cert-file {cert}\ntls-key-file {key}\ntls-ca-cert-file {ca}\n\
+                 tls-auth-clients no\ntls-replication yes\n\
+                 sentinel monitor primary 127.0.0.1 {primary_tls_port} 1\n\
+                 sentinel down-after-milliseconds primary 1000\n",
+                dir = dir.path().display(),
+                cert = path(&cert),
+                key = path(&key),
+                ca = path(&ca.ca_file()),
+            ),
+        )
+        .expect("write sentinel.conf");
+        let child = Command::new(redis_server_bin())
+            .arg(&conf)
+            .arg("--sentinel")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start redis-server --sentinel");
+        wait_for_port(tls_port, Duration::from_secs(10));
+        Self {
+            tls_port,
+            child,
+            _dir: dir,
+        }
+    }
+}
+
+impl Drop for TlsSentinel {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sentinel_over_tls_leads_to_the_primary_over_tls() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ca = TestCa::new(dir.path(), "ca");
+    let redis = TlsRedis::start(&ca, false, &["--tls-replication", "yes"]);
+    let sentinel = TlsSentinel::start(&ca, redis.tls_port);
+    let store = store().await;
+    let mut args = ProxyArgs::local(format!("http://{}", store.addr));
+    args.redis = Some(format!("rediss+sentinel://127.0.0.1:{}/primary", sentinel.tls_port));
+    args.redis_ca = Some(ca.ca_file());
+    let p = proxy(args.clone()).await;
+    let c = client(p.addr);
+    let written = eventually(Duration::from_secs(10), Duration::from_millis(100), || {
+        let c = c.clone();
+        async move { append(&c, "via-sentinel", 1, "m1").await.status.is_success() }
+    })
+    .await;
+    assert!(written.is_some(), "no write went through Sentinel over TLS");
+    assert!(
+        !redis.server.keys("turnlock:*").is_empty(),
+        "nothing written to the primary"
+    );
+
+    // Sentinel's own certificate is checked too: another CA is refused at start.
+    let other = TestCa::new(dir.path(), "other-ca");
+    args.redis_ca = Some(other.ca_file());
+    match turnlock::sidecar::start(args).await {
+        Err(e @ StartError::Backend(_)) => assert!(e.to_string().contains("refused the connection"), "{e}"),
+        Err(e) => panic!("refused for another reason: {e}"),
+        Ok(_) => panic!("an untrusted Sentinel was accepted"),
+    }
+}
