@@ -87,18 +87,22 @@ impl Tls {
     }
 
     /// Rebuilds the configuration when a file changed (size or modification time). Returns
-    /// whether it did; on an error (a file half-written) the last good configuration stays.
+    /// whether it did; on an error (a file half-written) the last good configuration stays,
+    /// and the error is returned once for that change (the next change is tried again).
     pub fn reload_if_changed(&self) -> Result<bool, TlsError> {
         let now = stamp(&self.files);
         let changed = self.state.read().map(|s| s.stamp != now).unwrap_or(true);
         if !changed {
             return Ok(false);
         }
-        let config = Arc::new(build_config(&self.files)?);
+        let built = build_config(&self.files);
         if let Ok(mut s) = self.state.write() {
-            *s = Loaded { stamp: now, config };
+            s.stamp = now;
+            if let Ok(config) = &built {
+                s.config = Arc::new(config.clone());
+            }
         }
-        Ok(true)
+        built.map(|_| true)
     }
 
     fn config(&self) -> Option<Arc<ClientConfig>> {
@@ -237,5 +241,87 @@ fn build_config(files: &TlsFiles) -> Result<ClientConfig, TlsError> {
                 .map_err(|e| TlsError(format!("--redis-cert/--redis-key: {e}")))
         }
         _ => Ok(builder.with_no_client_auth()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dir() -> PathBuf {
+        let d = std::env::temp_dir().join(format!("turnlock-redis-tls-unit-{}", std::process::id()));
+        std::fs::create_dir_all(&d).expect("dir");
+        d
+    }
+
+    #[test]
+    fn unusable_files_are_named_and_a_good_set_loads() {
+        let d = dir();
+        let certs = crate::inject::certs::generate(&["localhost".into()], 1).expect("certs");
+        let (ca, cert, key, empty) = (
+            d.join("ca.crt"),
+            d.join("tls.crt"),
+            d.join("tls.key"),
+            d.join("empty.crt"),
+        );
+        std::fs::write(&ca, &certs.ca_cert).expect("write");
+        std::fs::write(&cert, &certs.cert).expect("write");
+        std::fs::write(&key, &certs.key).expect("write");
+        std::fs::write(&empty, "not a certificate\n").expect("write");
+        let load = |files: TlsFiles| Tls::load(files).err().map(|e| e.to_string());
+        let missing = d.join("missing.crt");
+        for (files, says) in [
+            (
+                TlsFiles {
+                    ca: Some(missing.clone()),
+                    ..TlsFiles::default()
+                },
+                missing.display().to_string(),
+            ),
+            (
+                TlsFiles {
+                    ca: Some(empty.clone()),
+                    ..TlsFiles::default()
+                },
+                "holds no certificate".into(),
+            ),
+            (
+                TlsFiles {
+                    ca: Some(ca.clone()),
+                    cert: Some(cert.clone()),
+                    ..TlsFiles::default()
+                },
+                "go together".into(),
+            ),
+            (
+                TlsFiles {
+                    ca: Some(ca.clone()),
+                    server_name: Some("not a name!".into()),
+                    ..TlsFiles::default()
+                },
+                "--redis-tls-server-name".into(),
+            ),
+        ] {
+            let e = load(files).expect("refused");
+            assert!(e.contains(&says), "{e:?} lacks {says:?}");
+        }
+        let tls = Tls::load(TlsFiles {
+            ca: Some(ca.clone()),
+            cert: Some(cert),
+            key: Some(key),
+            server_name: Some("redis.internal".into()),
+        })
+        .expect("loads");
+        assert_eq!(tls.server_name("10.0.0.5"), "redis.internal");
+        assert!(!tls.reload_if_changed().expect("unchanged"));
+        std::fs::write(&ca, format!("{}{}", certs.ca_cert, certs.ca_cert)).expect("rewrite");
+        assert!(tls.reload_if_changed().expect("reloaded"), "a changed file is reloaded");
+        std::fs::write(&ca, "half-written").expect("rewrite");
+        assert!(tls.reload_if_changed().is_err(), "a broken file is not taken");
+        assert!(
+            !tls.reload_if_changed().expect("said once"),
+            "the same broken file is reported once"
+        );
+        let _ = std::fs::remove_dir_all(&d);
     }
 }
