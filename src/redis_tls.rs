@@ -257,16 +257,17 @@ mod tests {
     #[test]
     fn unusable_files_are_named_and_a_good_set_loads() {
         let d = dir();
-        let certs = crate::inject::certs::generate(&["localhost".into()], 1).expect("certs");
+        let made = rcgen::generate_simple_self_signed(vec!["localhost".to_owned()]).expect("certificate");
+        let (pem, key_pem) = (made.cert.pem(), made.signing_key.serialize_pem());
         let (ca, cert, key, empty) = (
             d.join("ca.crt"),
             d.join("tls.crt"),
             d.join("tls.key"),
             d.join("empty.crt"),
         );
-        std::fs::write(&ca, &certs.ca_cert).expect("write");
-        std::fs::write(&cert, &certs.cert).expect("write");
-        std::fs::write(&key, &certs.key).expect("write");
+        std::fs::write(&ca, &pem).expect("write");
+        std::fs::write(&cert, &pem).expect("write");
+        std::fs::write(&key, &key_pem).expect("write");
         std::fs::write(&empty, "not a certificate\n").expect("write");
         let load = |files: TlsFiles| Tls::load(files).err().map(|e| e.to_string());
         let missing = d.join("missing.crt");
@@ -314,7 +315,7 @@ mod tests {
         .expect("loads");
         assert_eq!(tls.server_name("10.0.0.5"), "redis.internal");
         assert!(!tls.reload_if_changed().expect("unchanged"));
-        std::fs::write(&ca, format!("{}{}", certs.ca_cert, certs.ca_cert)).expect("rewrite");
+        std::fs::write(&ca, format!("{pem}{pem}")).expect("rewrite");
         assert!(tls.reload_if_changed().expect("reloaded"), "a changed file is reloaded");
         std::fs::write(&ca, "half-written").expect("rewrite");
         assert!(tls.reload_if_changed().is_err(), "a broken file is not taken");
