@@ -531,3 +531,22 @@ async fn sentinel_over_tls_leads_to_the_primary_over_tls() {
         Ok(_) => panic!("an untrusted Sentinel was accepted"),
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connecting_by_ip_checks_the_certificate_against_the_server_name_given() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ca = TestCa::new(dir.path(), "ca");
+    // The certificate names only redis.internal, not the address connected to.
+    let redis = TlsRedis::start_named(free_port(), &ca, &["redis.internal"], false, &[]);
+    let store = store().await;
+    let args = tls_args(store.addr, &redis, &ca);
+    match turnlock::sidecar::start(args.clone()).await {
+        Err(e @ StartError::Backend(_)) => assert!(e.to_string().contains("127.0.0.1"), "{e}"),
+        Err(e) => panic!("refused for another reason: {e}"),
+        Ok(_) => panic!("a certificate without the address connected to was accepted"),
+    }
+    let mut named = args;
+    named.redis_tls_server_name = Some("redis.internal".into());
+    let p = proxy(named).await;
+    assert!(append(&client(p.addr), "by-ip", 1, "m1").await.status.is_success());
+}

@@ -89,7 +89,12 @@ impl TlsRedis {
     }
 
     pub fn start_on(tls_port: u16, ca: &TestCa, auth_clients: bool, extra: &[&str]) -> Self {
-        let (cert, key) = ca.issue("redis-server", &["localhost", "127.0.0.1"]);
+        Self::start_named(tls_port, ca, &["localhost", "127.0.0.1"], auth_clients, extra)
+    }
+
+    /// With a certificate for `names` only.
+    pub fn start_named(tls_port: u16, ca: &TestCa, names: &[&str], auth_clients: bool, extra: &[&str]) -> Self {
+        let (cert, key) = ca.issue("redis-server", names);
         let port = tls_port.to_string();
         let (cert, key, ca_file) = (path(&cert), path(&key), path(&ca.ca_file()));
         let mut args = vec![
