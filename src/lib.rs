@@ -26,6 +26,8 @@
 //! - [`bench`]: turnlock measured side by side with the store alone and with naive locks.
 //! - [`config`]: the proxy's flags, start errors and exit codes (each other subcommand's
 //!   arguments live with its module).
+//! - [`redis_url`]: the Redis URL forms, checked alike by the proxy and the injector.
+//! - [`redis_tls`]: TLS to Redis (roots, client certificate, server name), files reloaded.
 //! - [`http`], [`metrics`], [`redis_conn`], [`client`], [`telemetry`]: the plumbing.
 //!
 //! Top-level modules use each other without a cycle (checked by a unit test).
@@ -44,6 +46,8 @@ pub mod metrics;
 pub mod proxy;
 pub mod records;
 pub mod redis_conn;
+pub mod redis_tls;
+pub mod redis_url;
 pub mod routes;
 pub mod server;
 pub mod session;

@@ -59,6 +59,8 @@ struct Assembled {
     factory: ProxyFactory,
     upstream: crate::upstream::Upstream,
     proxy: crate::proxy::Proxy,
+    /// The Redis connection, when there is one (checked once at start).
+    redis: Option<RedisConn>,
 }
 
 fn assemble(args: &ProxyArgs) -> Result<Assembled, StartError> {
@@ -70,18 +72,23 @@ fn assemble(args: &ProxyArgs) -> Result<Assembled, StartError> {
         Duration::from_millis(args.upstream_timeout_ms),
         Duration::from_secs(args.session_ttl_secs),
     );
+    let mut redis = None;
     let (locks, records) = match &args.redis {
         Some(url) => {
-            let conn = RedisConn::open(url, Duration::from_millis(args.redis_timeout_ms)).map_err(conn_error)?;
+            let options = args.redis_options();
+            let conn = RedisConn::open_with(url, Duration::from_millis(args.redis_timeout_ms), &options)
+                .map_err(conn_error)?;
             conn.count_errors(metrics.clone());
             tracing::info!(redis = conn.display(), "locks, fences and idempotency records in Redis");
             let mut locks = RedisLocks::new(conn.clone(), keys.clone(), settings, metrics.clone());
             if args.redis_wait_replicas > 0 {
                 let wait = Duration::from_millis(args.redis_wait_timeout_ms);
                 let wait_conn =
-                    RedisConn::open(url, Duration::from_millis(args.redis_timeout_ms) + wait).map_err(conn_error)?;
+                    RedisConn::open_with(url, Duration::from_millis(args.redis_timeout_ms) + wait, &options)
+                        .map_err(conn_error)?;
                 locks = locks.with_replica_wait(wait_conn, args.redis_wait_replicas, wait);
             }
+            redis = Some(conn.clone());
             (Locks::Redis(locks.into()), Records::Redis(conn))
         }
         None => {
@@ -134,6 +141,7 @@ fn assemble(args: &ProxyArgs) -> Result<Assembled, StartError> {
         factory,
         upstream,
         proxy,
+        redis,
     })
 }
 
@@ -155,7 +163,11 @@ pub async fn start(args: ProxyArgs) -> Result<Running, StartError> {
         factory,
         upstream,
         proxy,
+        redis,
     } = assemble(&args)?;
+    if let Some(conn) = &redis {
+        check_redis(conn).await?;
+    }
     let listener = TcpListener::bind(args.listen)
         .await
         .map_err(|e| StartError::bind(args.listen, e))?;
@@ -231,11 +243,28 @@ pub async fn start(args: ProxyArgs) -> Result<Running, StartError> {
     })
 }
 
+/// Over TLS, one first connection: a failed certificate exchange (an untrusted certificate,
+/// a client certificate refused) stops the start with the reason; a Redis that is down or
+/// refuses the password lets the proxy start, with the reason in `/readyz`.
+async fn check_redis(conn: &RedisConn) -> Result<(), StartError> {
+    if !conn.uses_tls() {
+        return Ok(());
+    }
+    match conn.check_at_startup().await {
+        Ok(()) => Ok(()),
+        Err(e @ crate::redis_conn::StartupCheck::Refused { .. }) => Err(StartError::Backend(e.to_string())),
+        Err(error) => {
+            tracing::warn!(%error, "starting: /readyz reports Redis until it answers");
+            Ok(())
+        }
+    }
+}
+
 /// A Redis URL that does not parse is bad configuration; any other failure to set the
 /// connection up is the backend's.
 fn conn_error(e: ConnError) -> StartError {
     match e {
-        ConnError::InvalidUrl { .. } => StartError::Config(ConfigError(e.to_string())),
+        ConnError::InvalidUrl { .. } | ConnError::Setting(_) => StartError::Config(ConfigError(e.to_string())),
         ConnError::Redis(_) => StartError::Backend(e.to_string()),
     }
 }

@@ -324,10 +324,7 @@ async fn pubsub_loop(
     mut rx: mpsc::UnboundedReceiver<Subscription>,
 ) {
     loop {
-        let pubsub = match conn.client().await {
-            Ok(client) => client.get_async_pubsub().await,
-            Err(e) => Err(e),
-        };
+        let pubsub = conn.pubsub().await;
         let (mut sink, mut stream): (PubSubSink, _) = match pubsub {
             Ok(p) => p.split(),
             Err(error) => {

@@ -23,6 +23,7 @@ mod operability;
 mod passthrough;
 mod proxy_service;
 mod real_stores;
+mod redis_tls;
 mod release_records;
 mod route_matching;
 mod soak;
