@@ -49,6 +49,11 @@ pub fn parse(url: &str) -> Result<Target, UrlError> {
             .filter(|s| !s.is_empty())
             .fold(reason.to_owned(), |r, s| r.replace(s, "***")),
     };
+    if bad_escape(userinfo(url)) {
+        return Err(invalid(
+            "a % in the user or password must start an escape of two hex digits (write a literal % as %25)",
+        ));
+    }
     if let Some(rest) = url.strip_prefix("redis+sentinel://") {
         let spec = SentinelSpec::parse(rest).map_err(invalid)?;
         return Ok(Target::Sentinel { spec, tls: false });
@@ -73,7 +78,13 @@ pub fn parse(url: &str) -> Result<Target, UrlError> {
         ConnectionAddr::Tcp(host, _) | ConnectionAddr::TcpTls { host, .. } if host.is_empty() => {
             return Err(invalid("missing host"))
         }
+        ConnectionAddr::Tcp(_, 0) | ConnectionAddr::TcpTls { port: 0, .. } => {
+            return Err(invalid("port 0 is not a port Redis listens on"))
+        }
         _ => {}
+    }
+    if info.redis_settings().db() < 0 {
+        return Err(invalid("the database number cannot be negative"));
     }
     Ok(Target::Direct { info, tls })
 }
@@ -127,6 +138,9 @@ impl SentinelSpec {
                 .parse::<i64>()
                 .map_err(|_| "the database after the primary name must be a number")?,
         };
+        if db < 0 {
+            return Err("the database number cannot be negative");
+        }
         if parts.next().is_some() {
             return Err("unexpected path after /<primary-name>/<db>");
         }
@@ -192,6 +206,23 @@ fn host_port(s: &str) -> Result<(String, u16), &'static str> {
         return Err("each sentinel needs host[:port]");
     }
     Ok((host.to_owned(), port))
+}
+
+/// The `user:password` part of a URL (empty when there is none).
+fn userinfo(url: &str) -> &str {
+    let rest = url.split_once("://").map_or("", |(_, r)| r);
+    let authority = rest.split(['/', '?']).next().unwrap_or_default();
+    authority.rsplit_once('@').map_or("", |(u, _)| u)
+}
+
+/// Whether `s` holds a `%` that does not start a two-hex-digit escape (which the URL parser
+/// would keep as typed, so the password sent would not be the one meant).
+fn bad_escape(s: &str) -> bool {
+    let b = s.as_bytes();
+    b.iter().enumerate().any(|(i, &c)| {
+        c == b'%'
+            && !(b.get(i + 1).is_some_and(u8::is_ascii_hexdigit) && b.get(i + 2).is_some_and(u8::is_ascii_hexdigit))
+    })
 }
 
 fn bracket(host: &str) -> String {
@@ -278,6 +309,12 @@ mod tests {
             "rediss://h:1/#insecure",
             "redis://h:1/notadb",
             "redis://h:notaport",
+            "rediss://h:1/-1",
+            "redis://h:0",
+            "rediss://u:pa%ZZss@h:1",
+            "redis://u:pa%4@h:1",
+            "redis+sentinel://h1:1/primary/-2",
+            "redis+sentinel://u:%zz@h1:1/primary",
             "redis+sentinel://h1:x/primary",
             "sentinel://h:1/p",
             "",
