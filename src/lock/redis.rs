@@ -258,9 +258,9 @@ impl RedisLocks {
         let key_ms = self.settings.key_ttl.as_millis() as u64;
         let (slot, mark) = (scope.slot(), scope.turn_mark());
         let script = &self.scripts.slot_release;
-        let released: i64 = self
+        let (released, resent): (i64, bool) = self
             .conn
-            .run(|mut c| {
+            .run_resent(|mut c| {
                 let (slot, mark) = (&slot, &mark);
                 async move {
                     script
@@ -275,7 +275,9 @@ impl RedisLocks {
             })
             .await
             .map_err(backend)?;
-        Ok(released == 1)
+        // Sent again after a cut connection, "not held" most likely means the first attempt
+        // gave it back before the cut: not a write-back that outlived its slot.
+        Ok(released == 1 || resent)
     }
 
     pub(super) async fn ping(&self) -> Result<(), LockError> {
