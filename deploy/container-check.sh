@@ -283,7 +283,8 @@ echo "read-only root filesystem: the proxy is up and healthy (HEALTHCHECK and tu
 "$DOCKER" rm -f "$cid" >/dev/null
 
 size="$("$DOCKER" image inspect -f '{{.Size}}' "$image")"
-echo "image size: $size bytes ($((size / 1000000)) MB)"
+echo "image size: $size bytes ($((size / 1000000)) MB); its layers:"
+"$DOCKER" history --format '{{.Size}}\t{{.CreatedBy}}' "$image" | grep -v '^0B' | cut -c1-100 | sed 's/^/  /'
 
 # --- the compose scenario --------------------------------------------------------------------
 # Debian's Compose is 1.29, which does not know the Compose Specification's top-level `name`
