@@ -20,7 +20,6 @@
 # base images again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-repo="$(pwd)"
 
 if [ "$(id -u)" -ne 0 ]; then
     echo "container-check: dockerd needs root; run as root" >&2
