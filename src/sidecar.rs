@@ -156,6 +156,42 @@ where
     Ok(crate::proxy::stack(parts.metrics, parts.proxy))
 }
 
+/// In transparent mode, ip6tables' REDIRECT sends an intercepted IPv6 connection to `[::1]`
+/// (or the pod's own IPv6 address) on the proxy's port: an IPv4 `--listen` address gets a
+/// second listener on its IPv6 counterpart (`127.0.0.1` → `[::1]`, `0.0.0.0` → `[::]`), on the
+/// same port. `None` when `--listen` is IPv6 already or names another address, or when the
+/// network namespace has no IPv6 (nothing can be redirected there then).
+async fn bind_v6_counterpart(addr: SocketAddr) -> Result<Option<TcpListener>, StartError> {
+    let ip = match addr.ip() {
+        std::net::IpAddr::V4(v4) if v4.is_loopback() => std::net::Ipv6Addr::LOCALHOST,
+        std::net::IpAddr::V4(v4) if v4.is_unspecified() => std::net::Ipv6Addr::UNSPECIFIED,
+        _ => return Ok(None),
+    };
+    let v6 = SocketAddr::new(ip.into(), addr.port());
+    let socket = match tokio::net::TcpSocket::new_v6() {
+        Ok(s) => s,
+        Err(error) => {
+            tracing::info!(%error, "no IPv6 in this network namespace: intercepting IPv4 only");
+            return Ok(None);
+        }
+    };
+    let bound = socket2::SockRef::from(&socket)
+        .set_only_v6(true)
+        .and_then(|()| socket.set_reuseaddr(true))
+        .and_then(|()| socket.bind(v6))
+        .and_then(|()| socket.listen(1024));
+    match bound {
+        Ok(listener) => Ok(Some(listener)),
+        Err(error)
+            if !crate::transparent::namespace_has_ipv6() || error.kind() == std::io::ErrorKind::AddrNotAvailable =>
+        {
+            tracing::info!(%error, addr = %v6, "no IPv6 listener: intercepting IPv4 only");
+            Ok(None)
+        }
+        Err(error) => Err(StartError::bind(v6, error)),
+    }
+}
+
 pub async fn start(args: ProxyArgs) -> Result<Running, StartError> {
     let Assembled {
         metrics,
@@ -177,6 +213,11 @@ pub async fn start(args: ProxyArgs) -> Result<Running, StartError> {
         source,
     })?;
     let addr = listener.local_addr().map_err(|e| ConfigError(e.to_string()))?;
+    let listener_v6 = if args.transparent {
+        bind_v6_counterpart(addr).await?
+    } else {
+        None
+    };
     let admin_addr = admin_listener.local_addr().map_err(|e| ConfigError(e.to_string()))?;
 
     let shutdown = CancellationToken::new();
@@ -207,16 +248,23 @@ pub async fn start(args: ProxyArgs) -> Result<Running, StartError> {
         let locks = locks.clone();
         let outcome = outcome.clone();
         tokio::spawn(async move {
-            let make = {
+            let make = || {
                 let destinations = destinations.clone();
+                let metrics = metrics.clone();
                 move |conn| crate::proxy::stack(metrics.clone(), destinations.for_connection(conn))
             };
-            let serving = crate::server::serve_with(listener, make, transparent, shutdown.clone(), grace);
+            let serving = crate::server::serve_with(listener, make(), transparent, shutdown.clone(), grace);
+            // Transparent mode: IPv6 connections redirected by the ip6tables rules arrive here.
+            let serving_v6 = async {
+                if let Some(l) = listener_v6 {
+                    crate::server::serve_with(l, make(), transparent, shutdown.clone(), grace).await
+                }
+            };
             let began = async {
                 shutdown.cancelled().await;
                 (Instant::now(), locks.release_failures())
             };
-            let ((), (began, failures_before)) = tokio::join!(serving, began);
+            let ((), (), (began, failures_before)) = tokio::join!(serving, serving_v6, began);
             let result = finish_shutdown(&destinations, &locks, began + grace, failures_before).await;
             if let Ok(mut o) = outcome.lock() {
                 *o = result;

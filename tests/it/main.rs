@@ -13,6 +13,7 @@ mod cli;
 mod coalescing;
 mod commit_order;
 mod contention;
+mod deploy_metrics;
 mod edges;
 mod faults;
 mod faults_failover;
