@@ -58,7 +58,8 @@ pub(super) async fn serialize_one(
         path_and_query,
         headers,
         body,
-        ..
+        resource,
+        once,
     } = &p.write.action
     else {
         let answer = Answer::from(WriteError::Internal("mixed batch"));
@@ -67,7 +68,7 @@ pub(super) async fn serialize_one(
     if let Err(answer) = slot.hold(s, lease).await {
         return (answer, Some(Settled::Unchanged));
     }
-    if is_stale(p.write.turn, slot.turn_mark) {
+    if p.write.turn_given && is_stale(p.write.turn, slot.turn_mark) {
         let stale = MergeError::StaleTurn {
             turn: p.write.turn,
             current: slot.turn_mark,
@@ -77,7 +78,19 @@ pub(super) async fn serialize_one(
     if !lease.check() {
         return (Answer::from(WriteError::LeaseLost), Some(Settled::Unchanged));
     }
+    let precondition = match once {
+        Some(once) => match super::once::precondition(s, resource, body, once).await {
+            Ok(p) => Some(p),
+            Err(answer) => return (answer, Some(Settled::Unchanged)),
+        },
+        None => None,
+    };
     let mut headers = headers.clone();
+    if let Some((name, value)) = precondition {
+        headers.remove(header::IF_MATCH);
+        headers.remove(header::IF_NONE_MATCH);
+        headers.insert(name, value);
+    }
     strip_hop_by_hop(&mut headers);
     headers.remove(header::HOST);
     headers.remove(header::CONTENT_LENGTH);
