@@ -94,6 +94,9 @@ pub(super) async fn serialize_one(
     strip_hop_by_hop(&mut headers);
     headers.remove(header::HOST);
     headers.remove(header::CONTENT_LENGTH);
+    // The whole body is in hand: nothing to wait for (and a signed `Expect` would not reach
+    // every store as it was signed).
+    headers.remove(header::EXPECT);
     headers.insert(FENCING_TOKEN, HeaderValue::from(lease.fence()));
     let uri = match s.upstream.uri(path_and_query) {
         Ok(u) => u,
@@ -106,6 +109,13 @@ pub(super) async fn serialize_one(
     *req.method_mut() = method.clone();
     *req.uri_mut() = uri;
     *req.headers_mut() = headers;
+    // Signed by turnlock when it signs for this store, as a passed-through request is: the
+    // client's signature names the sidecar, not the store.
+    let (parts, req_body) = req.into_parts();
+    let req = match s.upstream.sign_forwarded(parts) {
+        Ok(parts) => Request::from_parts(parts, req_body),
+        Err(e) => return (Answer::from(WriteError::Upstream(e)), Some(Settled::Unchanged)),
+    };
     let started = Instant::now();
     let result = match s.upstream.send(req).await {
         Ok(res) => {

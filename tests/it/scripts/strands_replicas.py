@@ -5,6 +5,7 @@ The model is a stand-in (no provider, no network): it answers after ~50 ms.
 
     strands_replicas.py race ENDPOINTS BUCKET SESSION ROUNDS STORE_URL
     strands_replicas.py redact ENDPOINT BUCKET SESSION STORE_URL
+    strands_replicas.py put ENDPOINT BUCKET KEY
 
 ENDPOINTS: one S3 endpoint per replica, comma-separated (sidecars, or the store itself).
 STORE_URL: the store itself, for the final read. Prints one JSON line.
@@ -207,6 +208,16 @@ def main() -> None:
     if cmd == "race":
         eps, bucket, session, rounds, store = sys.argv[2:7]
         print(json.dumps(race(eps.split(","), bucket, session, int(rounds), store)))
+    elif cmd == "put":
+        # A PUT of an object no route lists (passed through), as the framework's multi-agent
+        # state is written.
+        ep, bucket, key = sys.argv[2:5]
+        s3 = boto3.client("s3", endpoint_url=ep, region_name=REGION, config=CONFIG)
+        try:
+            s3.put_object(Bucket=bucket, Key=key, Body=b'{"state": 1}', ContentType="application/json")
+            print(json.dumps({"ok": True}))
+        except ClientError as e:
+            print(json.dumps({"ok": False, "error": str(e)}))
     elif cmd == "redact":
         ep, bucket, session, store = sys.argv[2:6]
         print(json.dumps(redact(ep, bucket, session, store)))
