@@ -175,7 +175,7 @@ async fn strands_replicas_on_a_private_bucket_through_signing_sidecars_lose_no_m
     ));
     let (_a, a) = sidecar_process(&moto, &redis, &signed, &env);
     let (_b, b) = sidecar_process(&moto, &redis, &signed, &env);
-    let args = vec![
+    let args = [
         "race".to_owned(),
         format!("{a},{b}"),
         BUCKET.into(),
