@@ -29,6 +29,14 @@
 //! mode = "merge"
 //! kind = "put"
 //! turn = { body = "/turn", optional = true }   # a write without a turn: no stale check
+//!
+//! [[route]]                         # one object per message, created once
+//! method = "PUT"
+//! path = "/{bucket}/session_{session}/agents/agent_{agent}/messages/message_{n}.json"
+//! mode = "serialize"
+//! turn = { header = "X-Session-Turn", optional = true }
+//! once = ["/message_id", "/created_at"]   # a rewrite of a stored object must keep these
+//! session_scope = ["bucket"]        # placeholders keying the session (default: all)
 //! ```
 
 pub mod dialect;
