@@ -201,3 +201,42 @@ async fn strands_replicas_on_a_private_bucket_through_signing_sidecars_lose_no_m
             .expect("python");
     assert_eq!(put["ok"], true, "{put}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn strands_replicas_creating_one_session_at_once_never_replace_its_session_object() {
+    aws_env();
+    let moto = moto_server();
+    let redis = RedisServer::start();
+    let routes = routes_file(STRANDS_ROUTES);
+    let proxies = sidecars(&moto, &redis, &routes, 2).await;
+    let endpoints: Vec<String> = proxies.iter().map(|p| format!("http://{}", p.addr)).collect();
+    // Straight to the store, a `session.json` created by one request is at times replaced by
+    // the other's (both found it absent); a few new sessions give the race its chances.
+    for n in 0..4 {
+        let out = python(vec![
+            "first".into(),
+            endpoints.join(","),
+            BUCKET.into(),
+            format!("new-{n}"),
+            moto.url(),
+        ])
+        .await;
+        eprintln!("first requests of a new session: {out}");
+        assert_eq!(out["replaced"], serde_json::json!([]), "{out}");
+        let results = out["results"].as_array().cloned().unwrap_or_default();
+        assert!(
+            results.iter().any(|r| r["ok"] == true),
+            "no request created the session: {out}"
+        );
+        for r in results.iter().filter(|r| r["ok"] != true) {
+            // Refused by the sidecar (412, at once), or the framework's own "already exists".
+            let refused = r["code"] == "PreconditionFailed" && r["status"] == 412 && r["attempts"] == 0;
+            let exists = r["error"].as_str().is_some_and(|e| e.contains("already exists"));
+            assert!(refused || exists, "{r}");
+            assert!(
+                r["seconds"].as_f64().is_some_and(|s| s < 5.0),
+                "the losing request hung: {r}"
+            );
+        }
+    }
+}

@@ -50,7 +50,7 @@ pub(super) async fn precondition(
             StatusCode::CONFLICT,
             "stale_turn",
             format!(
-                "{resource} already holds another message ({pointer} differs): this write was based on a stale \
+                "{resource} already holds another object ({pointer} differs): this write was based on a stale \
                  read of the session; read it again and retry"
             ),
             Some(json!({"object": resource, "differs": pointer})),

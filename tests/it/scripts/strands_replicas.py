@@ -5,6 +5,7 @@ The model is a stand-in (no provider, no network): it answers after ~50 ms.
 
     strands_replicas.py race ENDPOINTS BUCKET SESSION ROUNDS STORE_URL
     strands_replicas.py redact ENDPOINT BUCKET SESSION STORE_URL
+    strands_replicas.py first ENDPOINTS BUCKET SESSION STORE_URL
     strands_replicas.py put ENDPOINT BUCKET KEY
 
 ENDPOINTS: one S3 endpoint per replica, comma-separated (sidecars, or the store itself).
@@ -60,7 +61,13 @@ class Recording(S3SessionManager):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.written: list[dict[str, Any]] = []
+        self.session_created_at: str | None = None
         super().__init__(*args, **kwargs)
+
+    def create_session(self, session, **kwargs):  # noqa: ANN001
+        created = super().create_session(session, **kwargs)
+        self.session_created_at = session.created_at
+        return created
 
     def create_message(self, session_id, agent_id, session_message, **kwargs):  # noqa: ANN001
         super().create_message(session_id, agent_id, session_message, **kwargs)
@@ -105,6 +112,7 @@ def request(endpoint: str, bucket: str, session: str, prompt: str) -> dict[str, 
             cause = cause.__cause__ or cause.__context__
     out["seconds"] = round(time.monotonic() - started, 3)
     out["written"] = sm.written if sm is not None else []
+    out["session_created_at"] = sm.session_created_at if sm is not None else None
     return out
 
 
@@ -180,6 +188,33 @@ def race(endpoints: list[str], bucket: str, session: str, rounds: int, store_url
     }
 
 
+def first(endpoints: list[str], bucket: str, session: str, store_url: str) -> dict[str, Any]:
+    """The first requests of a new session, one per replica at once: each creates the session."""
+    ensure_bucket(store_url, bucket)
+    barrier = threading.Barrier(len(endpoints))
+    results: list[dict[str, Any]] = [{} for _ in endpoints]
+
+    def one(i: int, ep: str) -> None:
+        barrier.wait(timeout=30)
+        results[i] = request(ep, bucket, session, f"first {i}")
+
+    threads = [threading.Thread(target=one, args=(i, ep)) for i, ep in enumerate(endpoints)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    s3 = boto3.client("s3", endpoint_url=store_url, region_name=REGION, config=CONFIG)
+    key = f"strands/session_{session}/session.json"
+    stored_session = json.loads(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+    creators = [q["session_created_at"] for q in results if q["session_created_at"]]
+    return {
+        "results": [{k: q.get(k) for k in ("ok", "error", "code", "status", "attempts", "seconds")} for q in results],
+        # Creations acknowledged to a request whose session.json was then replaced.
+        "replaced": [c for c in creators if c != stored_session.get("created_at")],
+        "creators": len(creators),
+    }
+
+
 def redact(endpoint: str, bucket: str, session: str, store_url: str) -> dict[str, Any]:
     """The framework's own rewrite of a message: redacting the latest one, by its writer."""
     ensure_bucket(store_url, bucket)
@@ -208,6 +243,9 @@ def main() -> None:
     if cmd == "race":
         eps, bucket, session, rounds, store = sys.argv[2:7]
         print(json.dumps(race(eps.split(","), bucket, session, int(rounds), store)))
+    elif cmd == "first":
+        eps, bucket, session, store = sys.argv[2:6]
+        print(json.dumps(first(eps.split(","), bucket, session, store)))
     elif cmd == "put":
         # A PUT of an object no route lists (passed through), as the framework's multi-agent
         # state is written.
