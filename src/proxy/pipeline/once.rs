@@ -43,8 +43,7 @@ pub(super) async fn precondition(
     let Some(stored) = fetched.doc else {
         return Ok((header::IF_NONE_MATCH, HeaderValue::from_static("*")));
     };
-    let stored = Value::Object(stored);
-    if let Some(pointer) = once.same.iter().find(|p| stored.pointer(p) != incoming.pointer(p)) {
+    if let Some(pointer) = differs(&Value::Object(stored), &incoming, &once.same) {
         s.metrics.stale_rejected();
         return Err(Answer::error(
             StatusCode::CONFLICT,
@@ -60,5 +59,43 @@ pub(super) async fn precondition(
         Some(etag) => Ok((header::IF_MATCH, etag)),
         // A store that names no version: the rewrite of the same message goes as it is.
         None => Ok((header::IF_MATCH, HeaderValue::from_static("*"))),
+    }
+}
+
+/// The first of `same` (JSON pointers) at which a stored object and a write disagree: the write
+/// would replace the object with another. A pointer absent from both agrees.
+fn differs<'a>(stored: &Value, incoming: &Value, same: &'a [String]) -> Option<&'a str> {
+    same.iter()
+        .find(|p| stored.pointer(p) != incoming.pointer(p))
+        .map(String::as_str)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn same() -> Vec<String> {
+        ["/message_id", "/created_at", "/message"].map(String::from).to_vec()
+    }
+
+    #[test]
+    fn a_redaction_by_the_writer_keeps_the_object() {
+        let stored = json!({"message_id": 5, "created_at": "t1", "message": {"text": "card 4111"},
+            "redact_message": null, "updated_at": "t1"});
+        let redacted = json!({"message_id": 5, "created_at": "t1", "message": {"text": "card 4111"},
+            "redact_message": {"text": "[redacted]"}, "updated_at": "t2"});
+        assert_eq!(differs(&stored, &redacted, &same()), None);
+        assert_eq!(differs(&stored, &stored, &same()), None, "a retry of the same write");
+    }
+
+    #[test]
+    fn another_replicas_message_at_the_same_index_is_another_object() {
+        let stored = json!({"message_id": 5, "created_at": "t1", "message": {"text": "a"}});
+        let other = json!({"message_id": 5, "created_at": "t9", "message": {"text": "b"}});
+        assert_eq!(differs(&stored, &other, &same()), Some("/created_at"));
+        let same_time = json!({"message_id": 5, "created_at": "t1", "message": {"text": "b"}});
+        assert_eq!(differs(&stored, &same_time, &same()), Some("/message"));
+        let missing = json!({"message_id": 5, "message": {"text": "a"}});
+        assert_eq!(differs(&stored, &missing, &same()), Some("/created_at"));
     }
 }
