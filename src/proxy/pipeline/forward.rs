@@ -75,9 +75,6 @@ pub(super) async fn serialize_one(
         };
         return (refused(s, stale), Some(Settled::Unchanged));
     }
-    if !lease.check() {
-        return (Answer::from(WriteError::LeaseLost), Some(Settled::Unchanged));
-    }
     let precondition = match once {
         Some(once) => match super::once::precondition(s, resource, body, once).await {
             Ok(p) => Some(p),
@@ -85,6 +82,10 @@ pub(super) async fn serialize_one(
         },
         None => None,
     };
+    // Checked after the read of an object created once: the forward follows at once.
+    if !lease.check() {
+        return (Answer::from(WriteError::LeaseLost), Some(Settled::Unchanged));
+    }
     let mut headers = headers.clone();
     if let Some((name, value)) = precondition {
         headers.remove(header::IF_MATCH);
