@@ -5,7 +5,7 @@
 # and the transparent-interception test builds network namespaces with iproute2 and iptables
 # (it needs root). Missing Debian packages are installed first (apt-get, as root or via sudo).
 # The real-store tests drive third-party servers and clients, installed once per machine when
-# missing: moto's S3 server and boto3 (PyPI) in a virtualenv at $TURNLOCK_TEST_VENV, and
+# missing: moto's S3 server, boto3 and strands-agents (PyPI) in a virtualenv at $TURNLOCK_TEST_VENV, and
 # pouchdb-server (npm) under $TURNLOCK_TEST_NODE.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,10 +24,10 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 venv="${TURNLOCK_TEST_VENV:-$HOME/.cache/turnlock-test-venv}"
-if ! "$venv/bin/python" -c 'import moto, boto3, flask' >/dev/null 2>&1; then
-  echo "installing moto[server] and boto3 into $venv" >&2
+if ! "$venv/bin/python" -c 'import moto, boto3, flask, strands' >/dev/null 2>&1; then
+  echo "installing moto[server], boto3 and strands-agents into $venv" >&2
   python3 -m venv "$venv"
-  "$venv/bin/pip" install -q 'moto[server]' boto3
+  "$venv/bin/pip" install -q 'moto[server]' boto3 strands-agents
 fi
 node_dir="${TURNLOCK_TEST_NODE:-$HOME/.cache/turnlock-test-node}"
 if [ ! -x "$node_dir/node_modules/.bin/pouchdb-server" ]; then

@@ -29,6 +29,14 @@
 //! mode = "merge"
 //! kind = "put"
 //! turn = { body = "/turn", optional = true }   # a write without a turn: no stale check
+//!
+//! [[route]]                         # one object per message, created once
+//! method = "PUT"
+//! path = "/{bucket}/session_{session}/agents/agent_{agent}/messages/message_{n}.json"
+//! mode = "serialize"
+//! turn = { header = "X-Session-Turn", optional = true }
+//! once = ["/message_id", "/created_at"]   # a rewrite of a stored object must keep these
+//! session_scope = ["bucket"]        # placeholders keying the session (default: all)
 //! ```
 
 pub mod dialect;
@@ -82,6 +90,13 @@ pub struct Route {
     /// JSON body sent as `application/octet-stream`, `binary/octet-stream` or untyped, as
     /// object-store SDKs send it.
     pub strict_content_type: bool,
+    /// `serialize` routes of objects created once (one object per message): JSON pointers
+    /// whose values a rewrite of a stored object must keep; any other write to a stored
+    /// object is refused as a stale turn (see `proxy::pipeline::once`).
+    pub once: Option<Vec<String>>,
+    /// The placeholders that qualify the session's records (all of the path's by default):
+    /// the objects of one session that differ in the others share its lock.
+    pub session_scope: Option<Vec<String>>,
 }
 
 /// What a matched path holds: the session, and the values of the route's other `{names}`.
@@ -96,12 +111,23 @@ impl Captures {
     /// has no other placeholder, else the session qualified by a digest of their values, so
     /// `/{bucket}/…/{session}` in two buckets are two sessions.
     pub fn session_key(&self) -> String {
-        if self.params.is_empty() {
+        self.session_key_within(None)
+    }
+
+    /// [`Captures::session_key`] qualified by the placeholders of `scope` only (all when
+    /// `None`): with an empty scope, the session itself.
+    pub fn session_key_within(&self, scope: Option<&[String]>) -> String {
+        let params: Vec<&(String, String)> = self
+            .params
+            .iter()
+            .filter(|(name, _)| scope.map_or(true, |s| s.iter().any(|n| n == name)))
+            .collect();
+        if params.is_empty() {
             return self.session.clone();
         }
         use sha2::Digest;
         let mut h = sha2::Sha256::new();
-        for (name, value) in &self.params {
+        for (name, value) in params {
             h.update(name.as_bytes());
             h.update([0]);
             h.update(value.as_bytes());
@@ -399,6 +425,9 @@ struct SerializeRoute {
     method: String,
     path: String,
     turn: FileTurn,
+    /// Objects created once: the JSON pointers a rewrite of a stored object must keep.
+    once: Option<Vec<String>>,
+    session_scope: Option<Vec<String>>,
     /// Fields of mode "merge", read only to refuse them with a message that says so.
     kind: Option<toml::Value>,
     document: Option<toml::Value>,
@@ -414,6 +443,7 @@ struct MergeRoute {
     /// Required; optional here only to refuse its absence with the list of kinds.
     kind: Option<Kind>,
     document: Option<String>,
+    session_scope: Option<Vec<String>>,
 }
 
 #[derive(Deserialize)]
@@ -454,6 +484,8 @@ impl Routes {
                     turn_optional: false,
                     dialect: &dialect::HTTP,
                     strict_content_type: true,
+                    once: None,
+                    session_scope: None,
                     mode: merge(Kind::Append),
                 },
                 Route {
@@ -464,6 +496,8 @@ impl Routes {
                     turn_optional: false,
                     dialect: &dialect::HTTP,
                     strict_content_type: true,
+                    once: None,
+                    session_scope: None,
                     mode: merge(Kind::Compact),
                 },
                 Route {
@@ -474,6 +508,8 @@ impl Routes {
                     turn_optional: false,
                     dialect: &dialect::HTTP,
                     strict_content_type: true,
+                    once: None,
+                    session_scope: None,
                     mode: merge(Kind::Patch),
                 },
                 Route {
@@ -484,6 +520,8 @@ impl Routes {
                     turn_optional: false,
                     dialect: &dialect::HTTP,
                     strict_content_type: true,
+                    once: None,
+                    session_scope: None,
                     mode: merge(Kind::Put),
                 },
                 Route {
@@ -494,6 +532,8 @@ impl Routes {
                     turn_optional: false,
                     dialect: &dialect::HTTP,
                     strict_content_type: true,
+                    once: None,
+                    session_scope: None,
                     mode: merge(Kind::Delete),
                 },
             ],
@@ -519,9 +559,9 @@ impl Routes {
         let mut routes: Vec<Route> = Vec::new();
         for (i, r) in file.route.into_iter().enumerate() {
             let at = |msg: String| format!("route #{}: {msg}", i + 1);
-            let (method, path, turn) = match &r {
-                FileRoute::Serialize(r) => (&r.method, &r.path, &r.turn),
-                FileRoute::Merge(r) => (&r.method, &r.path, &r.turn),
+            let (method, path, turn, session_scope) = match &r {
+                FileRoute::Serialize(r) => (&r.method, &r.path, &r.turn, r.session_scope.clone()),
+                FileRoute::Merge(r) => (&r.method, &r.path, &r.turn, r.session_scope.clone()),
             };
             let raw_path = path.clone();
             let method = Method::from_bytes(method.to_ascii_uppercase().as_bytes())
@@ -544,13 +584,24 @@ impl Routes {
                     ))
                 }
             };
+            if let Some(name) = session_scope
+                .iter()
+                .flatten()
+                .find(|n| !path.params().any(|p| p == n.as_str()))
+            {
+                return Err(at(format!(
+                    "session_scope names {name:?}, which is not a placeholder of the route's path"
+                )));
+            }
+            let mut once = None;
             let mode = match r {
                 FileRoute::Serialize(r) => {
-                    if turn_optional {
-                        return Err(at(
-                            "mode \"serialize\" keeps the store's turn order: its turn cannot be optional".into(),
-                        ));
+                    if let Some(p) = r.once.iter().flatten().find(|p| !p.starts_with('/')) {
+                        return Err(at(format!(
+                            "once holds {p:?}, which is not a JSON pointer: it must start with '/', e.g. \"/created_at\""
+                        )));
                     }
+                    once = r.once;
                     if r.kind.is_some() || r.document.is_some() {
                         return Err(at(
                             "mode \"serialize\" forwards the request unchanged: `kind` and `document` belong to mode \"merge\""
@@ -594,6 +645,8 @@ impl Routes {
                 mode,
                 dialect,
                 strict_content_type: false,
+                once,
+                session_scope,
             });
         }
         routes.extend(Self::canonical(prefix)?.routes);
@@ -750,9 +803,12 @@ mod tests {
                 "{other}",
             ),
             (
-                route("path='/x/{session}'\nmode='serialize'\nturn={header='X-Turn',optional=true}")
-                    .replace("turn={header='X-Turn'}\n", ""),
-                "cannot be optional",
+                route("path='/x/{session}'\nmode='serialize'\nonce=['created_at']"),
+                "not a JSON pointer",
+            ),
+            (
+                route("path='/x/{session}/{a}'\nmode='serialize'\nsession_scope=['b']"),
+                "not a placeholder",
             ),
             (route("path='/x/{a}/{session}/{a}'\nmode='serialize'"), "appears twice"),
             (route("path='/x/{session}{b}'\nmode='serialize'"), "another placeholder"),
@@ -893,6 +949,22 @@ mod tests {
             params: vec![],
         };
         assert_eq!(plain.session_key(), "s1");
+    }
+
+    #[test]
+    fn a_session_scope_keys_every_object_of_a_session_alike() {
+        let layout = "[[route]]\nmethod='PUT'\npath='/{bucket}/session_{session}/agents/agent_{agent}/messages/message_{n}.json'\nmode='serialize'\nturn={header='X-Session-Turn',optional=true}\nonce=['/created_at']\nsession_scope=['bucket']";
+        let routes = Routes::from_toml(layout, "/v1/sessions").unwrap();
+        let key = |path: &str| {
+            let (r, c) = routes.find(&Method::PUT, path).unwrap().unwrap();
+            assert_eq!(r.once.as_deref(), Some(&["/created_at".to_owned()][..]));
+            assert!(r.turn_optional);
+            c.session_key_within(r.session_scope.as_deref())
+        };
+        let a = key("/b/session_s1/agents/agent_a/messages/message_1.json");
+        assert_eq!(a, key("/b/session_s1/agents/agent_z/messages/message_9.json"));
+        assert_ne!(a, key("/other/session_s1/agents/agent_a/messages/message_1.json"));
+        assert_ne!(a, key("/b/session_s2/agents/agent_a/messages/message_1.json"));
     }
 
     #[test]

@@ -274,6 +274,10 @@ impl Upstream {
         let Some(signer) = &self.signer else {
             return Ok(parts);
         };
+        let mut parts = parts;
+        // Not signed and not sent: a store (or a server in front of it) may answer or drop
+        // `Expect: 100-continue` itself, and a signature covering it then no longer verifies.
+        parts.headers.remove(header::EXPECT);
         let mut req = Request::from_parts(parts, ());
         signer
             .sign_forwarded(&mut req)

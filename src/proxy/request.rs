@@ -61,7 +61,19 @@ pub enum Action {
         path_and_query: String,
         headers: HeaderMap,
         body: Bytes,
+        /// An object created once: the rewrite rule checked against the stored object.
+        once: Option<Once>,
     },
+}
+
+/// A `serialize` write of an object created once (one object per message): created with
+/// `If-None-Match: *`; a stored object is rewritten only when `same` (JSON pointers) hold the
+/// same values in it and in the write, under `If-Match` with the ETag read.
+#[derive(Debug)]
+pub struct Once {
+    pub same: Vec<String>,
+    /// The client's credentials for turnlock's read of the stored object.
+    pub store: StoreParts,
 }
 
 #[derive(Clone, Debug)]
@@ -140,7 +152,8 @@ pub async fn parse(
     };
     let session = SessionId::parse(&captures.session).map_err(|e| bad("invalid_session_id", e))?;
     let session = if route.path.has_params() {
-        SessionId::parse(&captures.session_key()).map_err(|e| bad("invalid_session_id", e))?
+        SessionId::parse(&captures.session_key_within(route.session_scope.as_deref()))
+            .map_err(|e| bad("invalid_session_id", e))?
     } else {
         session
     };
@@ -182,7 +195,8 @@ pub async fn parse(
     if declared.is_some_and(|n| n > max_body as u64) {
         return Err(too_large(max_body));
     }
-    let json_body = matches!(route.mode, Mode::Merge { .. }) || matches!(route.turn, TurnSource::Body(_));
+    let json_body =
+        matches!(route.mode, Mode::Merge { .. }) || matches!(route.turn, TurnSource::Body(_)) || route.once.is_some();
     if json_body {
         check_content_type(&parts.headers, route.strict_content_type)?;
     }
@@ -235,9 +249,9 @@ pub async fn parse(
                     Some(v) => {
                         let turn = turn_from_header(v.as_bytes()).map_err(turn_refusal)?;
                         check_header_turns(name, turn, header_turn)?;
-                        turn
+                        Ok(turn)
                     }
-                    None => return Err(turn_refusal(TurnError::Missing)),
+                    None => Err(TurnError::Missing),
                 },
                 TurnSource::Body(pointer) => {
                     let doc = parse_object(&bytes)?;
@@ -246,8 +260,25 @@ pub async fn parse(
                         .map(turn_from_json)
                         .transpose()
                         .map_err(turn_refusal)?;
-                    resolve_turn(body_turn, header_turn).map_err(turn_refusal)?
+                    resolve_turn(body_turn, header_turn)
                 }
+            };
+            // A write without a turn on a route whose turn is optional: serialized with the
+            // session's writes, not stale-checked.
+            let (turn, turn_given) = match turn {
+                Ok(t) => (t, true),
+                Err(TurnError::Missing) if route.turn_optional => (0, false),
+                Err(e) => return Err(turn_refusal(e)),
+            };
+            let once = match &route.once {
+                Some(same) => {
+                    parse_object(&bytes)?;
+                    Some(Once {
+                        same: same.clone(),
+                        store: StoreParts::of(route.dialect, &parts.headers),
+                    })
+                }
+                None => None,
             };
             let action = Action::Serialize {
                 resource: route.path.render_with(captures),
@@ -259,8 +290,9 @@ pub async fn parse(
                     .unwrap_or_else(|| "/".into()),
                 headers: parts.headers.clone(),
                 body: bytes.clone(),
+                once,
             };
-            ((turn, true), action, fingerprint(b"serialize", json_body))
+            ((turn, turn_given), action, fingerprint(b"serialize", json_body))
         }
         Mode::Merge { kind, document } => {
             let mut doc = parse_object(&bytes)?;

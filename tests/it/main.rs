@@ -8,6 +8,7 @@
 
 mod support;
 
+mod agent_frameworks;
 mod api;
 mod cli;
 mod coalescing;

@@ -342,7 +342,7 @@ async fn couchdb_agents_straight_to_the_store_lose_writes() {
 
 /// A `turnlock proxy` process in front of `store` with `routes`, and the AWS credentials in
 /// its environment; returns it and its address.
-fn sidecar_process(
+pub(crate) fn sidecar_process(
     store: &Server,
     redis: &RedisServer,
     routes: &tempfile::NamedTempFile,

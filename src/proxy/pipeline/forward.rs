@@ -58,7 +58,8 @@ pub(super) async fn serialize_one(
         path_and_query,
         headers,
         body,
-        ..
+        resource,
+        once,
     } = &p.write.action
     else {
         let answer = Answer::from(WriteError::Internal("mixed batch"));
@@ -67,20 +68,36 @@ pub(super) async fn serialize_one(
     if let Err(answer) = slot.hold(s, lease).await {
         return (answer, Some(Settled::Unchanged));
     }
-    if is_stale(p.write.turn, slot.turn_mark) {
+    if p.write.turn_given && is_stale(p.write.turn, slot.turn_mark) {
         let stale = MergeError::StaleTurn {
             turn: p.write.turn,
             current: slot.turn_mark,
         };
         return (refused(s, stale), Some(Settled::Unchanged));
     }
+    let precondition = match once {
+        Some(once) => match super::once::precondition(s, resource, body, once).await {
+            Ok(p) => Some(p),
+            Err(answer) => return (answer, Some(Settled::Unchanged)),
+        },
+        None => None,
+    };
+    // Checked after the read of an object created once: the forward follows at once.
     if !lease.check() {
         return (Answer::from(WriteError::LeaseLost), Some(Settled::Unchanged));
     }
     let mut headers = headers.clone();
+    if let Some((name, value)) = precondition {
+        headers.remove(header::IF_MATCH);
+        headers.remove(header::IF_NONE_MATCH);
+        headers.insert(name, value);
+    }
     strip_hop_by_hop(&mut headers);
     headers.remove(header::HOST);
     headers.remove(header::CONTENT_LENGTH);
+    // The whole body is in hand: nothing to wait for (and a signed `Expect` would not reach
+    // every store as it was signed).
+    headers.remove(header::EXPECT);
     headers.insert(FENCING_TOKEN, HeaderValue::from(lease.fence()));
     let uri = match s.upstream.uri(path_and_query) {
         Ok(u) => u,
@@ -93,6 +110,13 @@ pub(super) async fn serialize_one(
     *req.method_mut() = method.clone();
     *req.uri_mut() = uri;
     *req.headers_mut() = headers;
+    // Signed by turnlock when it signs for this store, as a passed-through request is: the
+    // client's signature names the sidecar, not the store.
+    let (parts, req_body) = req.into_parts();
+    let req = match s.upstream.sign_forwarded(parts) {
+        Ok(parts) => Request::from_parts(parts, req_body),
+        Err(e) => return (Answer::from(WriteError::Upstream(e)), Some(Settled::Unchanged)),
+    };
     let started = Instant::now();
     let result = match s.upstream.send(req).await {
         Ok(res) => {

@@ -42,6 +42,7 @@ mod errors;
 mod forward;
 mod idempotency;
 mod merge_commit;
+mod once;
 mod queue;
 mod slot;
 mod store_fields;

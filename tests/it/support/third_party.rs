@@ -1,7 +1,7 @@
 //! Third-party servers and clients that users put behind turnlock, installed once per machine
 //! by the test setup (or here, when missing) and started on free loopback ports.
 //!
-//! Python tools (moto's S3 server, boto3) live in a virtualenv at `TURNLOCK_TEST_VENV`
+//! Python tools (moto's S3 server, boto3, Strands Agents) live in a virtualenv at `TURNLOCK_TEST_VENV`
 //! (default `~/.cache/turnlock-test-venv`). A tool that cannot be installed fails the test
 //! with a message saying what to install: it never skips.
 
@@ -13,7 +13,7 @@ use std::time::Duration;
 use super::{free_port, wait_for_port};
 
 /// The Python packages the tests drive.
-const PY_PACKAGES: &[&str] = &["moto[server]", "boto3"];
+const PY_PACKAGES: &[&str] = &["moto[server]", "boto3", "strands-agents"];
 
 static INSTALL: Mutex<()> = Mutex::new(());
 
@@ -29,7 +29,7 @@ pub fn venv() -> PathBuf {
     let python = dir.join("bin/python");
     let ready = || {
         Command::new(&python)
-            .args(["-c", "import moto, boto3, flask"])
+            .args(["-c", "import moto, boto3, flask, strands"])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .status()
@@ -52,7 +52,7 @@ pub fn venv() -> PathBuf {
             .is_ok_and(|s| s.success());
         assert!(
             installed && ready(),
-            "cannot install {PY_PACKAGES:?} into {dir:?}: run `{}/bin/pip install 'moto[server]' boto3`",
+            "cannot install {PY_PACKAGES:?} into {dir:?}: run `{}/bin/pip install 'moto[server]' boto3 strands-agents`",
             dir.display()
         );
     }
