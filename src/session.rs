@@ -48,6 +48,24 @@ impl SessionId {
         Ok(Self(raw.to_owned()))
     }
 
+    /// The id of a session a store names in its own way (an S3 key segment such as
+    /// `tenant%3A42` or `alice smith`, a CouchDB document id): itself when it is a valid id,
+    /// else `~` and a digest of the name. `~` never starts a valid id, so the two forms never
+    /// meet, and a digest keeps the key free of separators and glob characters.
+    pub fn of_store_name(raw: &str) -> Self {
+        match Self::parse(raw) {
+            Ok(id) => id,
+            Err(_) => {
+                use sha2::Digest;
+                let digest = sha2::Sha256::digest(raw.as_bytes());
+                Self(format!(
+                    "~{}",
+                    digest[..16].iter().map(|b| format!("{b:02x}")).collect::<String>()
+                ))
+            }
+        }
+    }
+
     pub fn as_str(&self) -> &str {
         &self.0
     }
@@ -230,6 +248,18 @@ fn truncate(s: &str, max: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_stores_own_names_map_to_ids_that_never_meet_valid_ones() {
+        assert_eq!(SessionId::of_store_name("s-1").as_str(), "s-1");
+        let odd = SessionId::of_store_name("tenant%3A42");
+        assert!(odd.as_str().starts_with('~') && odd.as_str().len() == 33, "{odd}");
+        assert_ne!(odd, SessionId::of_store_name("tenant%3A43"));
+        assert_eq!(odd, SessionId::of_store_name("tenant%3A42"));
+        assert!(SessionId::parse(odd.as_str()).is_err());
+        let long = "a".repeat(MAX_SESSION_ID_LEN + 1);
+        assert!(SessionId::of_store_name(&long).as_str().starts_with('~'));
+    }
     use proptest::prelude::*;
     use serde_json::json;
 

@@ -58,6 +58,9 @@ pub struct Dialect {
     /// Request headers never carried: they describe the client's body, not the merged one.
     pub dropped_headers: &'static [&'static str],
     pub answer: AnswerForm,
+    /// Names differ by case (`Strands/…` and `strands/…` are two objects): a path spelled in
+    /// another case is another resource, never this route's write.
+    pub case_sensitive: bool,
 }
 
 pub const HTTP: Dialect = Dialect {
@@ -68,6 +71,7 @@ pub const HTTP: Dialect = Dialect {
     kept_headers: &[],
     dropped_headers: &[],
     answer: AnswerForm::Turnlock,
+    case_sensitive: false,
 };
 
 pub const S3: Dialect = Dialect {
@@ -101,6 +105,7 @@ pub const S3: Dialect = Dialect {
         "if-none-match",
     ],
     answer: AnswerForm::S3,
+    case_sensitive: true,
 };
 
 pub const COUCHDB: Dialect = Dialect {
@@ -111,6 +116,7 @@ pub const COUCHDB: Dialect = Dialect {
     kept_headers: &[],
     dropped_headers: &["if-match"],
     answer: AnswerForm::Couchdb,
+    case_sensitive: true,
 };
 
 impl DialectName {
