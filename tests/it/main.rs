@@ -10,6 +10,7 @@ mod support;
 
 mod api;
 mod cli;
+mod cluster;
 mod coalescing;
 mod commit_order;
 mod contention;

@@ -1,0 +1,431 @@
+//! turnlock on a Redis Cluster: six real `redis-server --cluster-enabled yes` (three primaries,
+//! three replicas) joined by `redis-cli --cluster create`, proxies started with
+//! `redis+cluster://`, and the contention workload of the fault suite over sessions on every
+//! shard.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::support::ledger::*;
+use crate::support::*;
+
+/// One cluster node: a `redis-server` process with its own directory, killed on drop.
+struct Node {
+    port: u16,
+    child: Option<Child>,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Node {
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    fn query<T: redis::FromRedisValue>(&self, args: &[&str]) -> redis::RedisResult<T> {
+        let client = redis::Client::open(format!("redis://127.0.0.1:{}", self.port))?;
+        let mut conn = client.get_connection_with_timeout(Duration::from_secs(2))?;
+        let mut cmd = redis::cmd(args[0]);
+        for a in &args[1..] {
+            cmd.arg(*a);
+        }
+        cmd.query(&mut conn)
+    }
+}
+
+struct Cluster {
+    nodes: Vec<Node>,
+}
+
+/// A loopback port ≤ 55000 whose cluster bus port (+10000) is free too.
+fn cluster_port(taken: &[u16]) -> u16 {
+    for _ in 0..2000 {
+        let port = 20000 + (rand::random::<u16>() % 35000);
+        if taken.contains(&port) {
+            continue;
+        }
+        let free = |p: u16| TcpListener::bind(("127.0.0.1", p)).is_ok();
+        if free(port) && free(port + 10000) {
+            return port;
+        }
+    }
+    panic!("no free loopback port pair for a cluster node");
+}
+
+fn redis_cli_bin() -> String {
+    let bin = std::env::var("TURNLOCK_REDIS_CLI").unwrap_or_else(|_| "redis-cli".into());
+    let found = Command::new(&bin)
+        .arg("--version")
+        .stdout(Stdio::null())
+        .status()
+        .is_ok();
+    assert!(
+        found,
+        "{bin} not found: install Redis tools (e.g. `apt-get install -y redis-tools`) or set TURNLOCK_REDIS_CLI"
+    );
+    bin
+}
+
+impl Cluster {
+    /// Six nodes, three primaries with a replica each, every slot covered, failover after one
+    /// second of silence.
+    fn start() -> Self {
+        let cli = redis_cli_bin();
+        let mut ports = Vec::new();
+        let mut nodes = Vec::new();
+        for _ in 0..6 {
+            let port = cluster_port(&ports);
+            ports.push(port);
+            let dir = tempfile::tempdir().expect("tempdir");
+            let child = Command::new(redis_server_bin())
+                .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+                .args(["--cluster-enabled", "yes", "--cluster-node-timeout", "1000"])
+                .args([
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                ])
+                .args(["--dir", dir.path().to_str().expect("utf-8 path")])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("start redis-server");
+            nodes.push(Node {
+                port,
+                child: Some(child),
+                _dir: dir,
+            });
+            wait_for_port(port, Duration::from_secs(10));
+        }
+        let addrs: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+        let out = Command::new(&cli)
+            .arg("--cluster")
+            .arg("create")
+            .args(&addrs)
+            .args(["--cluster-replicas", "1", "--cluster-yes"])
+            .output()
+            .expect("redis-cli --cluster create");
+        assert!(
+            out.status.success(),
+            "cluster create failed: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        let cluster = Self { nodes };
+        let started = Instant::now();
+        while !cluster.ready() {
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "the cluster did not become ready"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        cluster
+    }
+
+    /// Every live node says the cluster is ok and knows three primaries serving slots.
+    fn ready(&self) -> bool {
+        self.nodes.iter().filter(|n| n.child.is_some()).all(|n| {
+            let ok = n
+                .query::<String>(&["CLUSTER", "INFO"])
+                .is_ok_and(|info| info.contains("cluster_state:ok"));
+            // A primary has its replica in sync (a replica: its link to the primary is up).
+            let synced = n.query::<String>(&["INFO", "replication"]).is_ok_and(|info| {
+                (info.contains("role:master") && info.contains("state=online"))
+                    || info.contains("master_link_status:up")
+            });
+            ok && synced
+                && n.query::<String>(&["CLUSTER", "NODES"])
+                    .is_ok_and(|t| primaries(&t).len() == 3)
+        })
+    }
+
+    fn url(&self) -> String {
+        let hosts: Vec<String> = self.nodes[..3]
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect();
+        format!("redis+cluster://{}", hosts.join(","))
+    }
+
+    fn live(&self) -> &Node {
+        self.nodes.iter().find(|n| n.child.is_some()).expect("a live node")
+    }
+
+    /// The port of the primary serving each slot range, as a live node sees it.
+    fn owners(&self) -> Vec<(u16, u16, u16)> {
+        let text: String = self.live().query(&["CLUSTER", "NODES"]).expect("CLUSTER NODES");
+        primaries(&text)
+    }
+
+    /// The port of the primary that serves `key`, with the slot the server computes.
+    fn owner_of(&self, key: &str) -> (u16, u16) {
+        let slot: u16 = self.live().query(&["CLUSTER", "KEYSLOT", key]).expect("KEYSLOT");
+        let port = self
+            .owners()
+            .iter()
+            .find(|(lo, hi, _)| (*lo..=*hi).contains(&slot))
+            .map(|(_, _, p)| *p)
+            .expect("every slot is served");
+        (slot, port)
+    }
+
+    fn node(&mut self, port: u16) -> &mut Node {
+        self.nodes
+            .iter_mut()
+            .find(|n| n.port == port)
+            .expect("a node on that port")
+    }
+}
+
+/// `(first slot, last slot, port)` of every primary serving slots, from `CLUSTER NODES`.
+fn primaries(nodes: &str) -> Vec<(u16, u16, u16)> {
+    let mut out = Vec::new();
+    for line in nodes.lines() {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        if f.len() < 9 || !f[2].contains("master") || f[2].contains("fail") {
+            continue;
+        }
+        let Some(port) = f[1]
+            .split('@')
+            .next()
+            .and_then(|a| a.rsplit(':').next())
+            .and_then(|p| p.parse::<u16>().ok())
+        else {
+            continue;
+        };
+        for range in &f[8..] {
+            if range.starts_with('[') {
+                continue;
+            }
+            let (lo, hi) = range.split_once('-').unwrap_or((range, range));
+            if let (Ok(lo), Ok(hi)) = (lo.parse(), hi.parse()) {
+                out.push((lo, hi, port));
+            }
+        }
+    }
+    out
+}
+
+/// Session ids with at least `per_shard` on each of the three primaries (the server's own
+/// `CLUSTER KEYSLOT` decides), and which primary serves each.
+fn sessions_on_every_shard(cluster: &Cluster, tag: &str, per_shard: usize) -> (Vec<String>, HashMap<String, u16>) {
+    let mut by_shard: BTreeMap<u16, Vec<String>> = BTreeMap::new();
+    let mut owner = HashMap::new();
+    for i in 0..1000 {
+        if by_shard.len() == 3 && by_shard.values().all(|s| s.len() >= per_shard) {
+            break;
+        }
+        let id = format!("{tag}-{i}");
+        let (_, port) = cluster.owner_of(&format!("{{{id}}}"));
+        let shard = by_shard.entry(port).or_default();
+        if shard.len() < per_shard {
+            shard.push(id.clone());
+            owner.insert(id, port);
+        }
+    }
+    assert_eq!(by_shard.len(), 3, "sessions on only {} shards", by_shard.len());
+    (by_shard.into_values().flatten().collect(), owner)
+}
+
+async fn cluster_proxies(cluster: &Cluster, store: std::net::SocketAddr, n: usize) -> Vec<turnlock::sidecar::Running> {
+    let mut out = Vec::new();
+    for _ in 0..n {
+        let mut args = proxy_args(store, None);
+        args.redis = Some(cluster.url());
+        out.push(proxy(args).await);
+    }
+    out
+}
+
+/// Every session's keys are on its own shard: the fencing counter each write leaves behind is
+/// counted in the session's slot by the primary that serves it.
+fn assert_keys_on_their_shards(cluster: &Cluster, sessions: &[String]) {
+    let mut shards_used = std::collections::BTreeSet::new();
+    for id in sessions {
+        let key = format!("turnlock:session:{{{id}}}:fence");
+        let (slot, port) = cluster.owner_of(&key);
+        let node = cluster.nodes.iter().find(|n| n.port == port).expect("owner node");
+        let n: u64 = node
+            .query(&["CLUSTER", "COUNTKEYSINSLOT", &slot.to_string()])
+            .expect("COUNTKEYSINSLOT");
+        let exists: u64 = node.query(&["EXISTS", &key]).expect("EXISTS");
+        if exists == 1 && n > 0 {
+            shards_used.insert(port);
+        }
+    }
+    assert_eq!(shards_used.len(), 3, "session keys found on {shards_used:?} only");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn contention_across_three_shards_through_three_proxies_loses_nothing() {
+    let cluster = Cluster::start();
+    let store = store().await;
+    let proxies = cluster_proxies(&cluster, store.addr, 3).await;
+    let (sessions, _) = sessions_on_every_shard(&cluster, "shard", 4);
+
+    let clients = proxies.iter().map(|p| client(p.addr)).collect();
+    let writers = Writers::start("cluster", clients, sessions.clone(), 24, 100, Duration::from_secs(12));
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    let ledger = writers.finish().await;
+    let counts = check(store.addr, &sessions, &[&ledger]).await;
+    report("redis cluster, 3 shards, 3 proxies", &counts);
+    eprintln!("statuses: {:?}", ledger.statuses.lock().expect("ledger"));
+    assert!(counts.clean(), "{counts:?}");
+    assert!(counts.acknowledged >= 200, "too few writes went through: {counts:?}");
+    assert_keys_on_their_shards(&cluster, &sessions);
+
+    // Every lock was released (no lease left to expire) on every shard.
+    for (_, _, port) in cluster.owners() {
+        let node = cluster.nodes.iter().find(|n| n.port == port).expect("owner node");
+        let left: Vec<String> = node.query(&["KEYS", "turnlock:session:*}:[0-9]*"]).expect("KEYS");
+        assert!(left.is_empty(), "locks left on the primary at {port}: {left:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_primary_killed_mid_run_pauses_its_sessions_and_loses_nothing() {
+    let mut cluster = Cluster::start();
+    let store = store().await;
+    let proxies = cluster_proxies(&cluster, store.addr, 3).await;
+    let (sessions, owner) = sessions_on_every_shard(&cluster, "failover", 3);
+    let victim_port = owner[&sessions[0]];
+    let probe_session = sessions[0].clone();
+
+    let clients: Vec<_> = proxies.iter().map(|p| client(p.addr)).collect();
+    let writers = Writers::start(
+        "failover",
+        clients.clone(),
+        sessions.clone(),
+        18,
+        400,
+        Duration::from_secs(30),
+    );
+    tokio::time::sleep(Duration::from_secs(3)).await;
+
+    // Kill the primary of the probe session's shard; a probe writes to that session until a
+    // write is acknowledged again.
+    let probe_ledger = Arc::new(Ledger::default());
+    let hint = AtomicU64::new(1);
+    cluster.node(victim_port).kill();
+    let killed = Instant::now();
+    let mut resumed = None;
+    let mut n = 0;
+    while killed.elapsed() < Duration::from_secs(20) {
+        n += 1;
+        let token = format!("probe-{n}");
+        let turn = hint.load(Ordering::SeqCst);
+        let r = try_append(&clients[0], &probe_session, turn, &token, true, &[]).await;
+        let ok = r.as_ref().is_ok_and(|r| r.status.is_success());
+        if !ok && n % 10 == 1 {
+            eprintln!(
+                "probe {n} at {:?}: {:?}",
+                killed.elapsed(),
+                r.as_ref().map(|r| (r.status, r.json.clone()))
+            );
+        }
+        record(&probe_ledger, &hint, &probe_session, turn, &token, r);
+        if ok && n > 1 {
+            resumed = Some(killed.elapsed());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let Some(paused) = resumed else {
+        let nodes: String = cluster.live().query(&["CLUSTER", "NODES"]).unwrap_or_default();
+        panic!("writes to the killed primary's sessions never resumed (killed {victim_port}):\n{nodes}");
+    };
+    eprintln!("CLUSTER-FAILOVER writes to the killed primary's slots resumed after {paused:?}");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+
+    let ledger = writers.finish().await;
+    let counts = check(store.addr, &sessions, &[&ledger, &probe_ledger]).await;
+    report("redis cluster, primary SIGKILLed", &counts);
+    eprintln!("statuses: {:?}", ledger.statuses.lock().expect("ledger"));
+    assert!(
+        counts.lost == 0 && counts.duplicated == 0 && counts.unexplained == 0,
+        "{counts:?}"
+    );
+    assert!(counts.stale_accepted == 0, "{counts:?}");
+    assert!(counts.acknowledged >= 100, "too few writes went through: {counts:?}");
+}
+
+/// The port of the replica of the primary on `primary_port`, from `CLUSTER NODES`.
+fn replica_of(cluster: &Cluster, primary_port: u16) -> u16 {
+    let text: String = cluster.live().query(&["CLUSTER", "NODES"]).expect("CLUSTER NODES");
+    let port_of = |addr: &str| {
+        addr.split('@')
+            .next()
+            .and_then(|a| a.rsplit(':').next())
+            .and_then(|p| p.parse::<u16>().ok())
+    };
+    let lines: Vec<Vec<&str>> = text.lines().map(|l| l.split_whitespace().collect()).collect();
+    let primary_id = lines
+        .iter()
+        .find(|f| f.len() > 2 && port_of(f[1]) == Some(primary_port))
+        .map(|f| f[0])
+        .expect("the primary is listed");
+    lines
+        .iter()
+        .find(|f| f.len() > 3 && f[2].contains("slave") && f[3] == primary_id)
+        .and_then(|f| port_of(f[1]))
+        .expect("the primary has a replica")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn wait_replicas_asks_the_sessions_own_primary() {
+    let mut cluster = Cluster::start();
+    let store = store().await;
+    let (sessions, owner) = sessions_on_every_shard(&cluster, "wait", 1);
+    let mut args = proxy_args(store.addr, None);
+    args.redis = Some(cluster.url());
+    args.redis_wait_replicas = 1;
+    args.redis_wait_timeout_ms = 200;
+    args.lock_budget_ms = 1000;
+    let p = proxy(args).await;
+    let c = client(p.addr);
+    for (i, s) in sessions.iter().enumerate() {
+        let r = append(&c, s, 1, &format!("before-{i}")).await;
+        assert!(r.status.is_success(), "{s}: {} {}", r.status, r.json);
+    }
+
+    // One shard loses its replica: its sessions' grants cannot be acknowledged any more, the
+    // other shards' still are (a WAIT sent to every primary would fail them all).
+    let (lonely, others): (Vec<&String>, Vec<&String>) =
+        sessions.iter().partition(|s| owner[*s] == owner[&sessions[0]]);
+    let replica = replica_of(&cluster, owner[lonely[0]]);
+    cluster.node(replica).kill();
+    for (i, s) in others.iter().enumerate() {
+        let r = append(&c, s, 1, &format!("after-{i}")).await;
+        assert!(
+            r.status.is_success(),
+            "{s} on a shard with its replica: {} {}",
+            r.status,
+            r.json
+        );
+    }
+    let r = append(&c, lonely[0], 1, "after-lonely").await;
+    assert_eq!(
+        r.status.as_u16(),
+        503,
+        "a grant its primary's replica never saw: {}",
+        r.json
+    );
+}
