@@ -283,8 +283,36 @@ async fn contention_across_three_shards_through_three_proxies_loses_nothing() {
 
     let clients = proxies.iter().map(|p| client(p.addr)).collect();
     let writers = Writers::start("cluster", clients, sessions.clone(), 24, 100, Duration::from_secs(12));
+    // Meanwhile, which release channels the primaries have subscribers on: sharded ones only.
+    let ports: Vec<u16> = cluster.owners().iter().map(|o| o.2).collect();
+    let sampler = tokio::task::spawn_blocking(move || {
+        let (mut sharded, mut plain) = (0usize, 0usize);
+        let until = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < until {
+            for port in &ports {
+                let Ok(client) = redis::Client::open(format!("redis://127.0.0.1:{port}")) else {
+                    continue;
+                };
+                let Ok(mut c) = client.get_connection_with_timeout(Duration::from_secs(1)) else {
+                    continue;
+                };
+                let shard: Vec<String> = redis::cmd("PUBSUB")
+                    .arg("SHARDCHANNELS")
+                    .query(&mut c)
+                    .unwrap_or_default();
+                let global: Vec<String> = redis::cmd("PUBSUB").arg("CHANNELS").query(&mut c).unwrap_or_default();
+                sharded = sharded.max(shard.len());
+                plain = plain.max(global.len());
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        (sharded, plain)
+    });
     tokio::time::sleep(Duration::from_secs(12)).await;
     let ledger = writers.finish().await;
+    let (sharded, plain) = sampler.await.expect("sampler");
+    assert!(sharded > 0, "no waiter ever subscribed to a shard channel");
+    assert_eq!(plain, 0, "waiters subscribed with plain SUBSCRIBE on a cluster");
     let counts = check(store.addr, &sessions, &[&ledger]).await;
     report("redis cluster, 3 shards, 3 proxies", &counts);
     eprintln!("statuses: {:?}", ledger.statuses.lock().expect("ledger"));
