@@ -457,3 +457,87 @@ async fn wait_replicas_asks_the_sessions_own_primary() {
         r.json
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn slots_moved_under_load_lose_nothing() {
+    let cluster = Cluster::start();
+    let store = store().await;
+    let proxies = cluster_proxies(&cluster, store.addr, 3).await;
+    // The primary serving slot 0 gives its first 300 slots away; the sessions live there.
+    const MOVED: u16 = 300;
+    let sessions: Vec<String> = (0..20_000)
+        .map(|i| format!("moved-{i}"))
+        .filter(|id| turnlock::session::cluster_slot(id.as_bytes()) < MOVED)
+        .take(6)
+        .collect();
+    assert_eq!(sessions.len(), 6, "not enough session ids in the moved slots");
+    let (_, from_port) = cluster.owner_of(&format!("{{{}}}", sessions[0]));
+    let to_port = cluster
+        .owners()
+        .iter()
+        .map(|o| o.2)
+        .find(|p| *p != from_port)
+        .expect("another primary");
+    let id_of = |port: u16| -> String {
+        let node = cluster.nodes.iter().find(|n| n.port == port).expect("node");
+        node.query(&["CLUSTER", "MYID"]).expect("CLUSTER MYID")
+    };
+    let (from, to) = (id_of(from_port), id_of(to_port));
+
+    let clients = proxies.iter().map(|p| client(p.addr)).collect();
+    let writers = Writers::start("moved", clients, sessions.clone(), 12, 1000, Duration::from_secs(25));
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let cli = redis_cli_bin();
+    let entry = format!("127.0.0.1:{from_port}");
+    let started = Instant::now();
+    let reshard = tokio::task::spawn_blocking(move || {
+        Command::new(cli)
+            .args([
+                "--cluster",
+                "reshard",
+                &entry,
+                "--cluster-from",
+                &from,
+                "--cluster-to",
+                &to,
+            ])
+            .args(["--cluster-slots", &MOVED.to_string(), "--cluster-yes"])
+            .args(["--cluster-pipeline", "1"])
+            .output()
+    })
+    .await
+    .expect("reshard task")
+    .expect("redis-cli --cluster reshard");
+    let took = started.elapsed();
+    assert!(
+        reshard.status.success(),
+        "reshard failed: {}",
+        String::from_utf8_lossy(&reshard.stdout)
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let ledger = writers.finish().await;
+    for s in &sessions {
+        assert_eq!(cluster.owner_of(&format!("{{{s}}}")).1, to_port, "{s} was not moved");
+    }
+    let after = ledger.acked().len();
+    // Writes go on at the new owner.
+    let c = client(proxies[1].addr);
+    let turn = get_doc(&c, &sessions[0]).await.json["turn"].as_u64().unwrap_or(1);
+    let probe = Ledger::default();
+    let r = try_append(&c, &sessions[0], turn, "after-the-move", true, &[]).await;
+    let ok = r.as_ref().is_ok_and(|r| r.status.is_success());
+    record(&probe, &AtomicU64::new(turn), &sessions[0], turn, "after-the-move", r);
+    assert!(
+        ok,
+        "no write after the move: {:?}",
+        probe.statuses.lock().expect("ledger")
+    );
+    let counts = check(store.addr, &sessions, &[&ledger, &probe]).await;
+    report("redis cluster, slots moved under load", &counts);
+    eprintln!(
+        "CLUSTER-RESHARD {MOVED} slots moved in {took:?}; statuses: {:?}",
+        ledger.statuses.lock().expect("ledger")
+    );
+    assert!(counts.clean(), "{counts:?}");
+    assert!(after >= 100, "too few writes went through: {counts:?}");
+}
