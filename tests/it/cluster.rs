@@ -85,6 +85,11 @@ impl Cluster {
     /// Six nodes, three primaries with a replica each, every slot covered, failover after one
     /// second of silence.
     fn start() -> Self {
+        Self::start_with(|_| Vec::new())
+    }
+
+    /// With more arguments for each node (given its port).
+    fn start_with(extra: impl Fn(u16) -> Vec<String>) -> Self {
         let cli = redis_cli_bin();
         let mut ports = Vec::new();
         let mut nodes = Vec::new();
@@ -104,6 +109,7 @@ impl Cluster {
                     "no",
                 ])
                 .args(["--dir", dir.path().to_str().expect("utf-8 path")])
+                .args(extra(port))
                 .stdout(Stdio::null())
                 .stderr(Stdio::null())
                 .spawn()
@@ -540,4 +546,70 @@ async fn slots_moved_under_load_lose_nothing() {
     );
     assert!(counts.clean(), "{counts:?}");
     assert!(after >= 100, "too few writes went through: {counts:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_cluster_over_tls_is_written_on_every_shard() {
+    use crate::support::tls::{path, TestCa};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ca = TestCa::new(dir.path(), "cluster-ca");
+    let (cert, key) = ca.issue("cluster-node", &["localhost", "127.0.0.1"]);
+    let (cert, key, ca_file) = (path(&cert), path(&key), path(&ca.ca_file()));
+    let tls_ports = std::sync::Mutex::new(HashMap::new());
+    let cluster = Cluster::start_with(|port| {
+        let tls_port = free_port();
+        tls_ports.lock().expect("ports").insert(port, tls_port);
+        [
+            "--tls-port",
+            &tls_port.to_string(),
+            "--tls-cert-file",
+            &cert,
+            "--tls-key-file",
+            &key,
+            "--tls-ca-cert-file",
+            &ca_file,
+            "--tls-auth-clients",
+            "no",
+            "--tls-cluster",
+            "yes",
+            "--tls-replication",
+            "yes",
+        ]
+        .map(String::from)
+        .to_vec()
+    });
+    let tls_ports = tls_ports.into_inner().expect("ports");
+    let store = store().await;
+    let (sessions, _) = sessions_on_every_shard(&cluster, "tls", 2);
+    let url = format!("rediss+cluster://127.0.0.1:{}", tls_ports[&cluster.nodes[0].port]);
+    let mut args = proxy_args(store.addr, None);
+    args.redis = Some(url.clone());
+    args.redis_ca = Some(ca.ca_file());
+    let p = proxy(args).await;
+    let clients = vec![client(p.addr)];
+    let writers = Writers::start("tls", clients, sessions.clone(), 8, 40, Duration::from_secs(8));
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    let ledger = writers.finish().await;
+    let counts = check(store.addr, &sessions, &[&ledger]).await;
+    report("redis cluster over TLS", &counts);
+    assert!(counts.clean(), "{counts:?}");
+    assert!(counts.acknowledged >= 50, "too few writes went through: {counts:?}");
+    assert_keys_on_their_shards(&cluster, &sessions);
+
+    // Without the CA, the cluster's certificates are not trusted: no write goes through.
+    let mut args = proxy_args(store.addr, None);
+    args.redis = Some(url);
+    args.lock_budget_ms = 200;
+    match turnlock::sidecar::start(args).await {
+        Ok(untrusting) => {
+            let r = try_append(&client(untrusting.addr), &sessions[0], 99, "untrusted", true, &[]).await;
+            eprintln!("untrusted cluster: {r:?}");
+            let status = r.as_ref().map(|r| r.status.as_u16()).unwrap_or(0);
+            assert_eq!(status, 503, "{r:?}");
+        }
+        Err(e) => {
+            eprintln!("untrusted cluster: {e}");
+            assert!(e.to_string().to_lowercase().contains("certificate"), "{e}");
+        }
+    }
 }
