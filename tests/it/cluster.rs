@@ -326,6 +326,32 @@ async fn contention_across_three_shards_through_three_proxies_loses_nothing() {
     assert!(counts.acknowledged >= 200, "too few writes went through: {counts:?}");
     assert_keys_on_their_shards(&cluster, &sessions);
 
+    // A release is announced on the session's own shard: a sharded subscriber on its primary
+    // hears it.
+    let session = &sessions[0];
+    let (_, owner) = cluster.owner_of(&format!("{{{session}}}"));
+    let turn = get_doc(&client(proxies[0].addr), session).await.json["turn"]
+        .as_u64()
+        .unwrap_or(1);
+    let channel = format!("turnlock:session:{{{session}}}:{turn}:released");
+    let mut listener = Command::new(redis_cli_bin())
+        .args(["-p", &owner.to_string(), "SSUBSCRIBE", &channel])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("redis-cli SSUBSCRIBE");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let probe = Ledger::default();
+    let r = try_append(&client(proxies[1].addr), session, turn, "announced", true, &[]).await;
+    record(&probe, &AtomicU64::new(turn), session, turn, "announced", r);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let _ = listener.kill();
+    let heard = listener.wait_with_output().expect("redis-cli output");
+    let heard = String::from_utf8_lossy(&heard.stdout);
+    assert!(heard.contains("smessage"), "no sharded release announcement: {heard}");
+    let counts = check(store.addr, &sessions, &[&ledger, &probe]).await;
+    assert!(counts.clean(), "{counts:?}");
+
     // Every lock was released (no lease left to expire) on every shard.
     for (_, _, port) in cluster.owners() {
         let node = cluster.nodes.iter().find(|n| n.port == port).expect("owner node");
