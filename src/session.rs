@@ -234,6 +234,21 @@ impl Scope {
     }
 }
 
+/// The Redis Cluster slot of a key: CRC16 (XMODEM) of its hash tag, or of the whole key when
+/// it has none, modulo 16384.
+pub fn cluster_slot(key: &[u8]) -> u16 {
+    let tag = key
+        .iter()
+        .position(|&b| b == b'{')
+        .and_then(|open| {
+            let rest = &key[open + 1..];
+            rest.iter().position(|&b| b == b'}').map(|len| &rest[..len])
+        })
+        .filter(|tag| !tag.is_empty())
+        .unwrap_or(key);
+    crc16::State::<crc16::XMODEM>::calculate(tag) % 16384
+}
+
 fn truncate(s: &str, max: usize) -> String {
     if s.len() <= max {
         return s.to_owned();
@@ -337,7 +352,88 @@ mod tests {
         );
     }
 
+    /// The slot Redis Cluster gives a key: CRC16-XMODEM of its hash tag (the text between the
+    /// first `{` and the next `}`, when not empty) or of the whole key, modulo 16384. Written
+    /// out here from the cluster specification, independent of any client library.
+    fn spec_slot(key: &[u8]) -> u16 {
+        let mut hashed = key;
+        if let Some(open) = key.iter().position(|&b| b == b'{') {
+            if let Some(len) = key[open + 1..].iter().position(|&b| b == b'}') {
+                if len > 0 {
+                    hashed = &key[open + 1..open + 1 + len];
+                }
+            }
+        }
+        let mut crc: u16 = 0;
+        for &byte in hashed {
+            crc ^= u16::from(byte) << 8;
+            for _ in 0..8 {
+                crc = if crc & 0x8000 != 0 {
+                    (crc << 1) ^ 0x1021
+                } else {
+                    crc << 1
+                };
+            }
+        }
+        crc % 16384
+    }
+
     proptest! {
+        #[test]
+        fn the_routing_slot_is_the_specifications(key in proptest::collection::vec(any::<u8>(), 0..40)) {
+            prop_assert_eq!(super::cluster_slot(&key), spec_slot(&key));
+        }
+    }
+
+    #[test]
+    fn the_slot_function_matches_the_cluster_specification() {
+        // Reference values from the Redis Cluster specification and `CLUSTER KEYSLOT`.
+        assert_eq!(spec_slot(b"123456789"), 0x31C3, "the CRC16 check value");
+        assert_eq!(spec_slot(b"foo"), 12182);
+        assert_eq!(spec_slot(b"{user1000}.following"), spec_slot(b"user1000"));
+        assert_eq!(spec_slot(b"foo{}{bar}"), spec_slot(b"foo{}{bar}"));
+        assert_ne!(
+            spec_slot(b"foo{}{bar}"),
+            spec_slot(b"bar"),
+            "an empty tag hashes the whole key"
+        );
+        assert_eq!(spec_slot(b"foo{{bar}}zap"), spec_slot(b"{bar"));
+    }
+
+    proptest! {
+        #[test]
+        fn every_key_and_channel_of_a_session_shares_one_slot(
+            prefix in "[A-Za-z0-9:._/-]{0,16}",
+            id in "[A-Za-z0-9._-]{1,40}",
+            store in proptest::option::of("[ -~]{0,24}"),
+            doc in "/[ -~]{0,40}",
+            turn in 0u64..=MAX_TURN,
+            version in any::<u64>(),
+            digest in "[0-9a-f]{1,64}",
+        ) {
+            let Ok(session) = SessionId::parse(&id) else { return Ok(()) };
+            let base = Keys::new(prefix.clone());
+            let keys = match &store {
+                Some(s) => base.for_store(s.clone()),
+                None => base,
+            };
+            let lock = keys.lock(&session, turn);
+            let scope = keys.scope(&session, &doc);
+            let all = [
+                keys.released(&lock),
+                keys.fence_token(&session),
+                keys.idempotency(&session, &digest),
+                scope.slot(),
+                scope.turn_mark(),
+                scope.history(version),
+            ];
+            let slot = spec_slot(lock.as_bytes());
+            prop_assert_eq!(slot, spec_slot(session.as_str().as_bytes()), "the lock hashes by the id alone");
+            for key in &all {
+                prop_assert_eq!(spec_slot(key.as_bytes()), slot, "{} is in another slot than {}", key, lock);
+            }
+        }
+
         #[test]
         fn distinct_valid_ids_never_share_a_lock_key(a in "[A-Za-z0-9._:*?-]{1,12}", b in "[A-Za-z0-9._:*?-]{1,12}", ta in 0u64..100, tb in 0u64..100) {
             let keys = Keys::new("tl:");

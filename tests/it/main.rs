@@ -11,6 +11,7 @@ mod support;
 mod agent_frameworks;
 mod api;
 mod cli;
+mod cluster;
 mod coalescing;
 mod commit_order;
 mod contention;
