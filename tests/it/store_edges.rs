@@ -233,3 +233,39 @@ async fn couchdb_database_resources_pass_through_untouched() {
         .json;
     assert_eq!(stored, security, "stored as sent, no turnlock field");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn couchdb_careful_writers_beside_sidecars_on_new_documents_lose_nothing() {
+    let couch = pouchdb_server();
+    let redis = RedisServer::start();
+    let routes = routes_file(COUCHDB_ROUTES);
+    let mut proxies = Vec::new();
+    for _ in 0..3 {
+        proxies.push(sidecar(&couch, &redis, &routes).await);
+    }
+    let direct = JsonClient::new(couch.url());
+    let r = direct.send(Method::PUT, "/db", None, &[]).await.expect("create db");
+    assert!(r.status.is_success(), "{}", r.status);
+    let endpoints: Vec<String> = proxies.iter().map(|p| format!("http://{}", p.addr)).collect();
+    // 6 agents through the sidecars ("take the latest _rev" on 409), 3 careful ones straight
+    // to the store, 6 writes each, on 4 documents that do not exist yet.
+    let args = [
+        endpoints.join(","),
+        couch.url(),
+        "db".to_owned(),
+        "4".to_owned(),
+        "6".to_owned(),
+        "3".to_owned(),
+        "6".to_owned(),
+    ];
+    let run = tokio::task::spawn_blocking(move || {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        run_python("couch_absent.py", &args)
+    })
+    .await
+    .expect("python");
+    assert_eq!(run["lost"], json!([]), "acknowledged writes lost: {run}");
+    assert_eq!(run["dup"], json!([]), "{run}");
+    assert_eq!(run["error_count"], 0, "{run}");
+    assert_eq!(run["acked"], run["writes"], "{run}");
+}
