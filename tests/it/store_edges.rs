@@ -269,3 +269,60 @@ async fn couchdb_careful_writers_beside_sidecars_on_new_documents_lose_nothing()
     assert_eq!(run["error_count"], 0, "{run}");
     assert_eq!(run["acked"], run["writes"], "{run}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn if_none_match_star_on_an_existing_document_is_refused_in_every_dialect() {
+    // turnlock's own API in front of the stand-in store.
+    let store = crate::support::store().await;
+    let p = proxy(proxy_args(store.addr, None)).await;
+    let agent = crate::support::client(p.addr);
+    let create = json!({"turn": 1, "messages": [{"id": "a"}]});
+    let star = [("if-none-match", "*".to_owned())];
+    let r = agent
+        .send(Method::PUT, "/v1/sessions/inm", Some(&create), &star)
+        .await
+        .expect("create");
+    assert!(r.status.is_success(), "{} {}", r.status, r.json);
+    let again = json!({"turn": 1, "messages": [{"id": "b"}]});
+    let r = agent
+        .send(Method::PUT, "/v1/sessions/inm", Some(&again), &star)
+        .await
+        .expect("again");
+    assert_eq!(
+        (r.status.as_u16(), r.json["error"].as_str()),
+        (412, Some("version_mismatch")),
+        "{}",
+        r.json
+    );
+
+    // CouchDB: 409 conflict, as CouchDB refuses a create over a document.
+    let couch = pouchdb_server();
+    let redis = RedisServer::start();
+    let routes = routes_file(COUCHDB_ROUTES);
+    let p = sidecar(&couch, &redis, &routes).await;
+    let direct = JsonClient::new(couch.url());
+    let agent = JsonClient::new(format!("http://{}", p.addr));
+    direct.send(Method::PUT, "/db", None, &[]).await.expect("create db");
+    let r = direct
+        .send(Method::PUT, "/db/x", Some(&json!({"messages": [{"id": "first"}]})), &[])
+        .await
+        .expect("seed");
+    assert_eq!(r.status, 201);
+    let r = agent
+        .send(
+            Method::PUT,
+            "/db/x",
+            Some(&json!({"messages": [{"id": "second"}]})),
+            &star,
+        )
+        .await
+        .expect("put");
+    assert_eq!(
+        (r.status.as_u16(), r.json["error"].as_str()),
+        (409, Some("conflict")),
+        "{}",
+        r.json
+    );
+    let doc = direct.send(Method::GET, "/db/x", None, &[]).await.expect("read").json;
+    assert_eq!(message_ids(&doc), ["first"], "{doc}");
+}
