@@ -271,6 +271,37 @@ async fn couchdb_careful_writers_beside_sidecars_on_new_documents_lose_nothing()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn couchdb_copies_that_differ_only_in_their_rev_are_no_conflict() {
+    let couch = pouchdb_server();
+    let redis = RedisServer::start();
+    let routes = routes_file(COUCHDB_ROUTES);
+    let p = sidecar(&couch, &redis, &routes).await;
+    let direct = JsonClient::new(couch.url());
+    let r = direct.send(Method::PUT, "/db", None, &[]).await.expect("create db");
+    assert!(r.status.is_success(), "{}", r.status);
+    // 12 agents on one document through one sidecar: their PUTs are merged in batches, each
+    // copy carrying the `_rev` it read (or took after a 409).
+    let args = [
+        format!("http://{}", p.addr),
+        couch.url(),
+        "db".to_owned(),
+        "1".to_owned(),
+        "12".to_owned(),
+        "0".to_owned(),
+        "6".to_owned(),
+    ];
+    let run = tokio::task::spawn_blocking(move || {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        run_python("couch_absent.py", &args)
+    })
+    .await
+    .expect("python");
+    assert_eq!(run["lost"], json!([]), "{run}");
+    assert_eq!(run["acked"], run["writes"], "{run}");
+    assert_eq!(run["turnlock_conflict_count"], 0, "{run}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn if_none_match_star_on_an_existing_document_is_refused_in_every_dialect() {
     // turnlock's own API in front of the stand-in store.
     let store = crate::support::store().await;

@@ -205,7 +205,23 @@ fn turn_at(p: &Pending, on: Option<&Document>) -> u64 {
 /// to a foreign store without a turnlock `version` of its own (read as absent, or from a
 /// document turnlock never wrote): its base is unknown, so it is merged without deletions.
 /// `If-None-Match: *` on a PUT: refused when the document exists. Any other write as it is.
+/// The store's own fields a copy carries (`_id`, `_rev`) are taken out before the merge: they
+/// are the store's, never the application's, and never a conflict.
 fn with_store_precondition<'a>(
+    p: &'a Pending,
+    op: &'a Op,
+    on: Option<&Document>,
+    etag: Option<&HeaderValue>,
+    first: bool,
+) -> Result<std::borrow::Cow<'a, Op>, MergeError> {
+    let op = store_precondition(p, op, on, etag, first)?;
+    Ok(match &p.write.action {
+        Action::Merge { store, .. } => store_fields::without_managed(store.dialect, op),
+        _ => op,
+    })
+}
+
+fn store_precondition<'a>(
     p: &'a Pending,
     op: &'a Op,
     on: Option<&Document>,

@@ -5,6 +5,7 @@
 //! `If-Match` with the ETag read.
 
 use http::HeaderValue;
+use std::borrow::Cow;
 use std::collections::HashSet;
 
 use serde_json::Value;
@@ -37,6 +38,23 @@ pub(super) fn split(dialect: &Dialect, doc: Option<Document>) -> (Option<Documen
 pub(super) fn strip(dialect: &Dialect, doc: &mut Document) {
     for f in dialect.managed_fields {
         doc.remove(*f);
+    }
+}
+
+/// A whole copy without the store-managed fields it carries (a CouchDB copy's `_id` and `_rev`):
+/// merged, they would be taken as the application's fields, and two copies with different
+/// `_rev`s in one batch as a conflict.
+pub(super) fn without_managed<'a>(dialect: &Dialect, op: Cow<'a, Op>) -> Cow<'a, Op> {
+    let carries = |doc: &Document| dialect.managed_fields.iter().any(|f| doc.contains_key(*f));
+    match op.as_ref() {
+        Op::Put { doc, .. } | Op::Replace { doc, .. } if carries(doc) => {
+            let mut op = op.into_owned();
+            if let Op::Put { doc, .. } | Op::Replace { doc, .. } = &mut op {
+                strip(dialect, doc);
+            }
+            Cow::Owned(op)
+        }
+        _ => op,
     }
 }
 

@@ -7,7 +7,8 @@ latest _rev and PUTs its copy again"; a careful agent straight to the store read
 re-applies its change. At most 30 tries per write.
 
 usage: couch_absent.py SIDECARS DIRECT DB DOCS THROUGH STRAIGHT WRITES
-Prints one JSON line: writes, acknowledged, lost and duplicated message ids, other answers.
+Prints one JSON line: writes, acknowledged, lost and duplicated message ids, other answers,
+and the merge conflicts turnlock answered (409 with `turnlock_error: conflict`).
 """
 import collections
 import json
@@ -21,7 +22,7 @@ direct, db = sys.argv[2], sys.argv[3]
 docs, through, straight, writes = (int(a) for a in sys.argv[4:8])
 
 lock = threading.Lock()
-acked, errors = [], []
+acked, errors, turnlock_conflicts = [], [], []
 
 
 def call(method, url, doc=None):
@@ -52,6 +53,9 @@ def agent(i, careful):
             status, answer = call("PUT", url, doc)
             if status != 409:
                 break
+            if isinstance(answer, dict) and answer.get("turnlock_error") == "conflict":
+                with lock:
+                    turnlock_conflicts.append(answer.get("reason"))
             s, latest = call("GET", url)
             if careful:
                 doc = latest if s == 200 else {"_id": doc_id, "messages": []}
@@ -79,4 +83,4 @@ for d in range(docs):
     ids = collections.Counter(m.get("id") for m in (doc.get("messages", []) if status == 200 else []))
     dup += [m for m, n in ids.items() if n > 1]
     lost += [m for (doc_id, m) in acked if doc_id == f"d{d}" and ids[m] == 0]
-print(json.dumps({"writes": (through + straight) * writes, "acked": len(acked), "lost": lost, "dup": dup, "errors": errors[:5], "error_count": len(errors)}))
+print(json.dumps({"writes": (through + straight) * writes, "acked": len(acked), "lost": lost, "dup": dup, "errors": errors[:5], "error_count": len(errors), "turnlock_conflicts": turnlock_conflicts[:5], "turnlock_conflict_count": len(turnlock_conflicts)}))
