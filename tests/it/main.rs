@@ -30,6 +30,7 @@ mod redis_tls;
 mod release_records;
 mod route_matching;
 mod soak;
+mod store_edges;
 mod tls_store;
 mod transparent_netns;
 mod weak_store;
