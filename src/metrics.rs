@@ -136,6 +136,7 @@ struct Inner {
     dependency_up: Family<DependencyLabel, Gauge>,
     redis_errors: Family<RedisFailure, Counter>,
     process: Process,
+    write_seconds: Histogram,
 }
 
 /// Gauges of the process itself, refreshed at each scrape from `/proc/self`.
@@ -276,6 +277,12 @@ impl Metrics {
             })
             .set(1);
         registry.register("build_info", "The running version (always 1)", build);
+        let write_seconds = Histogram::new(seconds_buckets());
+        registry.register(
+            "write_seconds",
+            "Time from a write's arrival to its answer: its wait for the session's turn, the read-merge-write and the store",
+            write_seconds.clone(),
+        );
         Self {
             inner: Arc::new(Inner {
                 registry,
@@ -295,6 +302,7 @@ impl Metrics {
                 dependency_up,
                 redis_errors,
                 process,
+                write_seconds,
             }),
         }
     }
@@ -343,6 +351,11 @@ impl Metrics {
             .requests
             .get_or_create(&RouteStatus { route, status, error })
             .inc();
+    }
+
+    /// One write answered (any answer, refusals included), `took` after it arrived.
+    pub fn write_answered(&self, took: Duration) {
+        self.inner.write_seconds.observe(took.as_secs_f64());
     }
 
     /// One store answer (`status` 0 when none came).

@@ -74,12 +74,11 @@ pub enum Ipv6Rules {
     Off,
 }
 
-/// Whether this network namespace has IPv6: the kernel has it and it is not disabled.
+/// Whether this network namespace has IPv6: any interface holds an IPv6 address. Not the
+/// `all.disable_ipv6` switch alone: an interface may turn IPv6 back on under it, and its
+/// traffic would then pass by the sidecar.
 pub fn namespace_has_ipv6() -> bool {
-    std::path::Path::new("/proc/net/if_inet6").exists()
-        && std::fs::read_to_string("/proc/sys/net/ipv6/conf/all/disable_ipv6")
-            .map(|v| v.trim() == "0")
-            .unwrap_or(false)
+    std::fs::read_to_string("/proc/net/if_inet6").is_ok_and(|addresses| addresses.lines().any(|l| !l.trim().is_empty()))
 }
 
 impl InitIptablesArgs {

@@ -94,11 +94,15 @@ where
     fn call(&mut self, req: Request<B>) -> Self::Future {
         let answer = self.inner.call(req);
         let metrics = self.metrics.clone();
+        let arrived = std::time::Instant::now();
         Box::pin(async move {
             let res = answer.await?;
             if let Some(route) = res.extensions().get::<RouteName>() {
                 let code = res.extensions().get::<ErrorCode>().map_or("", |c| c.0);
                 metrics.request(route.0, res.status().as_u16(), code);
+                if !matches!(route.0, "forward" | "ambiguous") {
+                    metrics.write_answered(arrived.elapsed());
+                }
             }
             Ok(res)
         })

@@ -794,4 +794,30 @@ fn ipv6_store_traffic_is_intercepted_and_forwarded_to_its_original_destination()
         !String::from_utf8_lossy(&rules6.stdout).contains("TURNLOCK"),
         "IPv6 rules installed in a namespace without IPv6"
     );
+
+    // One interface turns IPv6 back on under `all.disable_ipv6=1`: the namespace has IPv6
+    // again, and `auto` must cover it, or that interface's traffic passes by the sidecar.
+    run(
+        "ip",
+        &[
+            "netns",
+            "exec",
+            &bare_pod,
+            "sysctl",
+            "-q",
+            "-w",
+            "net.ipv6.conf.lo.disable_ipv6=0",
+        ],
+    );
+    let again = init(&[]);
+    assert!(again.status.success(), "{}", String::from_utf8_lossy(&again.stderr));
+    let rules6 = Command::new("ip")
+        .args(["netns", "exec", &bare_pod, "ip6tables", "-t", "nat", "-S"])
+        .output()
+        .expect("ip6tables");
+    assert!(
+        String::from_utf8_lossy(&rules6.stdout).contains("-j TURNLOCK_OUTPUT"),
+        "no IPv6 rules though an interface has IPv6: {}",
+        String::from_utf8_lossy(&rules6.stdout)
+    );
 }
