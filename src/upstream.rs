@@ -100,6 +100,28 @@ pub enum Precondition {
     None,
 }
 
+/// A document the store sent, parsed: a JSON object whose `messages`, when present, is an array.
+pub fn parse_document(bytes: &[u8]) -> Result<crate::merge::Document, UpstreamError> {
+    match serde_json::from_slice::<serde_json::Value>(bytes) {
+        Ok(serde_json::Value::Object(doc)) => {
+            if doc.get("messages").is_some_and(|m| !m.is_array()) {
+                Err(UpstreamError::InvalidDocument("`messages` is not an array".into()))
+            } else {
+                Ok(doc)
+            }
+        }
+        Ok(_) => Err(UpstreamError::InvalidDocument("not a JSON object".into())),
+        Err(e) => Err(UpstreamError::InvalidDocument(e.to_string())),
+    }
+}
+
+/// A document as the store sent it.
+#[derive(Debug)]
+pub struct FetchedRaw {
+    pub body: Option<Bytes>,
+    pub etag: Option<HeaderValue>,
+}
+
 /// A document as read from the store.
 #[derive(Debug)]
 pub struct Fetched {
@@ -317,6 +339,13 @@ impl Upstream {
 
     /// Reads the document at `path`, or `None` on 404.
     pub async fn get_document(&self, path: &str) -> Result<Fetched, UpstreamError> {
+        let raw = self.get_document_raw(path).await?;
+        let doc = raw.body.as_deref().map(parse_document).transpose()?;
+        Ok(Fetched { doc, etag: raw.etag })
+    }
+
+    /// Reads a document as the store sent it (`body` `None` when absent), unparsed.
+    pub async fn get_document_raw(&self, path: &str) -> Result<FetchedRaw, UpstreamError> {
         let started = Instant::now();
         let req = Request::builder()
             .method(Method::GET)
@@ -331,22 +360,15 @@ impl Upstream {
             Ok(res) if res.status() == StatusCode::NOT_FOUND => {
                 // Drain so the connection returns to the pool.
                 let _ = self.body(res).await;
-                Ok(Fetched { doc: None, etag: None })
+                Ok(FetchedRaw { body: None, etag: None })
             }
             Ok(res) if res.status().is_success() => {
                 let etag = res.headers().get(header::ETAG).cloned();
                 let bytes = self.body(res).await?;
-                match serde_json::from_slice::<serde_json::Value>(&bytes) {
-                    Ok(serde_json::Value::Object(doc)) => {
-                        if doc.get("messages").is_some_and(|m| !m.is_array()) {
-                            Err(UpstreamError::InvalidDocument("`messages` is not an array".into()))
-                        } else {
-                            Ok(Fetched { doc: Some(doc), etag })
-                        }
-                    }
-                    Ok(_) => Err(UpstreamError::InvalidDocument("not a JSON object".into())),
-                    Err(e) => Err(UpstreamError::InvalidDocument(e.to_string())),
-                }
+                Ok(FetchedRaw {
+                    body: Some(bytes),
+                    etag,
+                })
             }
             Ok(res) => {
                 let status = res.status();

@@ -12,14 +12,18 @@ use std::collections::{HashMap, HashSet};
 use crate::session::{is_stale, SessionId};
 
 mod append;
+mod batch;
 mod compact;
 mod patch;
 mod put;
+mod raw;
 mod replace;
 
 use self::append::append_new;
+pub use self::batch::BatchDoc;
 #[cfg(test)]
 use self::put::without_id;
+pub use self::raw::{DigestCache, Finished, RawBatch};
 
 /// A session document: a JSON object with `session`, `turn`, `version`, `messages`, and any
 /// other fields, which belong to the application and survive every write.
