@@ -110,8 +110,11 @@ pub struct HotRow {
     /// `steady` (each writer writes again as soon as answered) or `bursts` (rounds of one
     /// write per writer).
     pub load: String,
+    /// `growing` (the document grows by every write) or `compacted` (compacted every 100 ms
+    /// down to its last 200 messages, as agents do).
+    pub doc: String,
     pub stats: Stats,
-    /// `session_busy` answers (each retried by the writer).
+    /// Retryable answers (503: `session_busy`, `write_conflict`, …; each retried by the writer).
     pub busy: u64,
     /// Writes acknowledged over the whole phase, warm-up included.
     pub acked_total: u64,
@@ -293,7 +296,7 @@ fn targets(r: &Report) -> Vec<Target> {
         let find = |design: &str| {
             r.hot
                 .iter()
-                .find(|h| h.writers == 32 && h.design == design && h.load == load)
+                .find(|h| h.writers == 32 && h.design == design && h.load == load && h.doc == phases::GROWING)
         };
         let (Some(t), Some(n), Some(b)) = (find(phases::TURNLOCK), find(phases::NAIVE), find(phases::BACKOFF)) else {
             continue;
@@ -323,6 +326,16 @@ fn targets(r: &Report) -> Vec<Target> {
             target: ">= 3000/s".into(),
             measured: format!("{:.0}/s", t.stats.per_sec),
             met: t.stats.per_sec >= 3000.0,
+        });
+    }
+    for h in r.hot.iter().filter(|h| h.design == phases::TURNLOCK && h.writers == 32) {
+        let answers = h.acked_total + h.busy + h.stats.failed;
+        let pct = h.busy as f64 * 100.0 / answers.max(1) as f64;
+        out.push(Target {
+            figure: format!("hot session, 32 writers ({}, {}), retryable answers", h.load, h.doc),
+            target: "<= 1% of answers".into(),
+            measured: format!("{pct:.2}% ({} of {answers}; p99 {:.1} ms)", h.busy, h.stats.p99_ms),
+            met: pct <= 1.0,
         });
     }
     let lost: u64 = r
@@ -423,17 +436,22 @@ pub fn table(r: &Report) -> String {
             w.redis_bytes_per_write
         );
     }
-    let _ = writeln!(s, "\nHot session: one session, writers spread over {} proxies", 3);
     let _ = writeln!(
         s,
-        "{:>7} {:<7} {:<14} {:>9} {:>8} {:>8} {:>7} {:>6} {:>5} {:>6} {:>12} {:>8} {:>8} {:>8} {:>8}",
+        "\nHot session: one session, writers spread over {} proxies; its document growing, or compacted every 100 ms to 200 messages",
+        3
+    );
+    let _ = writeln!(
+        s,
+        "{:<9} {:>7} {:<7} {:<14} {:>9} {:>8} {:>8} {:>7} {:>6} {:>5} {:>6} {:>12} {:>8} {:>8} {:>8} {:>8}",
+        "document",
         "writers",
         "load",
         "design",
         "acked/s",
         "p50 ms",
         "p99 ms",
-        "busy",
+        "retry",
         "failed",
         "lost",
         "batch",
@@ -447,7 +465,8 @@ pub fn table(r: &Report) -> String {
     for h in &r.hot {
         let _ = writeln!(
             s,
-            "{:>7} {:<7} {:<14} {:>9.0} {:>8.2} {:>8.2} {:>7} {:>6} {:>5} {:>6} {:>12} {:>8} {:>8} {:>8} {:>8}",
+            "{:<9} {:>7} {:<7} {:<14} {:>9.0} {:>8.2} {:>8.2} {:>7} {:>6} {:>5} {:>6} {:>12} {:>8} {:>8} {:>8} {:>8}",
+            h.doc,
             h.writers,
             h.load,
             h.design,

@@ -2,7 +2,7 @@
 
 use std::collections::HashSet;
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -26,6 +26,15 @@ pub const BACKOFF: &str = "backoff lock";
 pub const STEADY: &str = "steady";
 /// Rounds: every writer writes once, the next round starts when all are answered.
 pub const BURSTS: &str = "bursts";
+/// The hot session's document grows by every write.
+pub const GROWING: &str = "growing";
+/// The hot session's document is compacted periodically, as agents do: it stays near
+/// [`COMPACT_KEEP`] messages.
+pub const COMPACTED: &str = "compacted";
+/// Messages a compaction keeps.
+const COMPACT_KEEP: usize = 200;
+/// The pause between two compactions.
+const COMPACT_EVERY: Duration = Duration::from_millis(100);
 
 /// Sessions each writer of the uncontended phase cycles through.
 const SESSIONS_PER_WRITER: u64 = 8;
@@ -199,14 +208,58 @@ impl Rig {
 
     pub async fn hot(&self, plan: &Plan) -> Result<Vec<HotRow>, BenchError> {
         let mut rows = Vec::new();
-        for &writers in &plan.hot_levels {
-            for load in [STEADY, BURSTS] {
-                for design in [TURNLOCK, BACKOFF, NAIVE] {
-                    rows.push(self.hot_one(plan, writers, design, load).await?);
+        for doc in [GROWING, COMPACTED] {
+            for &writers in &plan.hot_levels {
+                for load in [STEADY, BURSTS] {
+                    for design in [TURNLOCK, BACKOFF, NAIVE] {
+                        rows.push(self.hot_one(plan, writers, design, load, doc).await?);
+                    }
                 }
             }
         }
         Ok(rows)
+    }
+
+    /// Compacts `session` every [`COMPACT_EVERY`] until `stop`, down to [`COMPACT_KEEP`]
+    /// messages: through proxy 0 for turnlock, else a GET-modify-PUT under the design's
+    /// own lock. Returns the ids it compacted away.
+    fn compactor(
+        &self,
+        design: &'static str,
+        session: &str,
+        stop: Arc<AtomicBool>,
+    ) -> tokio::task::JoinHandle<Vec<String>> {
+        let http = self.http.clone();
+        let session = session.to_owned();
+        let proxy = self.proxy_url(0);
+        let store = self.store_url();
+        let polling = PollingLock::new(
+            self.redis_conn.clone(),
+            Waiting::Backoff {
+                first: baselines::BACKOFF_FIRST,
+                max: baselines::BACKOFF_MAX,
+            },
+        );
+        let lock_key = format!("bench:lock:{session}");
+        tokio::spawn(async move {
+            let mut dropped = Vec::new();
+            while !stop.load(Ordering::Relaxed) {
+                tokio::time::sleep(COMPACT_EVERY).await;
+                if design == TURNLOCK {
+                    dropped.extend(compact_through_proxy(&http, &proxy, &session).await);
+                } else {
+                    let token = format!("{:032x}", rand::random::<u128>());
+                    if polling
+                        .acquire(&lock_key, &token, Instant::now() + Duration::from_secs(2))
+                        .await
+                    {
+                        dropped.extend(baselines::compact(&http, &store, &session, COMPACT_KEEP).await);
+                        polling.release(&lock_key, &token).await;
+                    }
+                }
+            }
+            dropped
+        })
     }
 
     async fn hot_one(
@@ -215,8 +268,11 @@ impl Rig {
         writers: usize,
         design: &'static str,
         load: &'static str,
+        doc: &'static str,
     ) -> Result<HotRow, BenchError> {
-        let session = format!("hot-{}-{load}-{writers}", design.replace(' ', "-"));
+        let session = format!("hot-{}-{load}-{writers}-{doc}", design.replace(' ', "-"));
+        let stop = Arc::new(AtomicBool::new(false));
+        let compactor = (doc == COMPACTED).then(|| self.compactor(design, &session, stop.clone()));
         let phase = Phase {
             workers: writers,
             warmup: plan.warmup,
@@ -293,8 +349,13 @@ impl Rig {
         };
         let cpu_after = self.proxies_cpu();
         let after = self.histograms().await;
+        stop.store(true, Ordering::Relaxed);
+        let compacted = match compactor {
+            Some(c) => c.await.unwrap_or_default(),
+            None => Vec::new(),
+        };
         let acked = std::mem::take(&mut *lock(&acked));
-        let (lost, duplicated) = self.verify(&session, &acked).await?;
+        let (lost, duplicated) = self.verify(&session, &acked, &compacted).await?;
         let turnlock = design == TURNLOCK;
         let explained = match (before, after) {
             (Some(b), Some(a)) if turnlock => Some(a.since(&b)),
@@ -304,6 +365,7 @@ impl Rig {
             writers,
             design: design.to_owned(),
             load: load.to_owned(),
+            doc: doc.to_owned(),
             stats,
             busy: busy.load(Ordering::Relaxed),
             acked_total: acked.len() as u64,
@@ -318,8 +380,9 @@ impl Rig {
         })
     }
 
-    /// Acknowledged messages missing from the stored document, and messages stored twice.
-    async fn verify(&self, session: &str, acked: &[String]) -> Result<(u64, u64), BenchError> {
+    /// Acknowledged messages missing from the stored document (and not compacted away),
+    /// and messages stored twice.
+    async fn verify(&self, session: &str, acked: &[String], compacted: &[String]) -> Result<(u64, u64), BenchError> {
         let url = format!("{}/v1/sessions/{session}", self.store_url());
         let stored: Vec<String> = match self.http.get(&url).await {
             Ok(r) if r.status == StatusCode::OK => serde_json::from_slice::<Value>(&r.body)
@@ -334,8 +397,11 @@ impl Rig {
             _ => return Err(BenchError::Failed(format!("cannot read back {session} from the store"))),
         };
         let unique: HashSet<&String> = stored.iter().collect();
-        let lost = acked.iter().filter(|id| !unique.contains(id)).count() as u64;
-        Ok((lost, (stored.len() - unique.len()) as u64))
+        let twice = (stored.len() - unique.len()) as u64;
+        let mut kept = unique;
+        kept.extend(compacted);
+        let lost = acked.iter().filter(|id| !kept.contains(id)).count() as u64;
+        Ok((lost, twice))
     }
 
     /// Commands the proxy sends to Redis per uncontended append, counted with `MONITOR`
@@ -494,6 +560,39 @@ fn cpu_ms_per_1000(before: Option<Duration>, after: Option<Duration>, writes: f6
     match (before, after) {
         (Some(b), Some(a)) => a.saturating_sub(b).as_secs_f64() * 1000.0 / writes * 1000.0,
         _ => f64::NAN,
+    }
+}
+
+/// One compaction through turnlock down to [`COMPACT_KEEP`] messages; the ids it dropped.
+async fn compact_through_proxy(http: &Http, proxy: &str, session: &str) -> Vec<String> {
+    let url = format!("{proxy}/v1/sessions/{session}");
+    let ids: Vec<String> = match http.get(&url).await {
+        Ok(r) if r.status == StatusCode::OK => serde_json::from_slice::<Value>(&r.body)
+            .ok()
+            .and_then(|d| {
+                d["messages"]
+                    .as_array()
+                    .map(|m| m.iter().filter_map(|m| m["id"].as_str().map(str::to_owned)).collect())
+            })
+            .unwrap_or_default(),
+        _ => return Vec::new(),
+    };
+    if ids.len() <= COMPACT_KEEP {
+        return Vec::new();
+    }
+    let through = ids.len() - COMPACT_KEEP - 1;
+    let body = json!({"turn": 1, "through": ids[through], "summary": format!("{} messages compacted", through + 1)});
+    match http
+        .send(
+            Method::POST,
+            &format!("{url}/compact"),
+            Some(Bytes::from(body.to_string())),
+            &[],
+        )
+        .await
+    {
+        Ok(r) if r.status.is_success() => ids[..=through].to_vec(),
+        _ => Vec::new(),
     }
 }
 
