@@ -107,7 +107,7 @@ impl Rig {
         })
     }
 
-    pub async fn passthrough(&self, plan: &Plan, wrk: &str) -> Result<Vec<PassRow>, BenchError> {
+    pub async fn passthrough(&self, plan: &Plan, wrk: &str, nginx: &str) -> Result<Vec<PassRow>, BenchError> {
         let path = "/v1/sessions/read-0";
         let messages: Vec<Value> = (0..READ_DOC_MESSAGES)
             .map(|i| baselines::message(&format!("m-{i}")))
@@ -127,6 +127,15 @@ impl Rig {
                 "cannot seed the document read in the pass-through phase".into(),
             ));
         }
+        let nginx = match procs::nginx_program(nginx) {
+            Some(program) => Some(procs::nginx(&program, self.store.addr).await?),
+            None => {
+                tracing::warn!(
+                    "nginx not found: no nginx pass-through figures (install it with `apt-get install -y nginx-light`)"
+                );
+                None
+            }
+        };
         let wrk_installed = procs::installed(wrk, "--version");
         if !wrk_installed {
             tracing::warn!("{wrk} not found: pass-through figures from the benchmark's own client only");
@@ -135,24 +144,42 @@ impl Rig {
         for &c in &plan.pass_levels {
             let direct_url = format!("{}{path}", self.store_url());
             let proxy_url = format!("{}{path}", self.proxy_url(0));
+            let nginx_url = nginx.as_ref().map(|n| format!("http://{}{path}", n.addr));
             let direct = get_loop(plan, c, &direct_url).await;
             let proxy = get_loop(plan, c, &proxy_url).await;
-            let (wrk_direct, wrk_proxy) = if wrk_installed {
+            let nginx_stats = match &nginx_url {
+                Some(url) => Some(get_loop(plan, c, url).await),
+                None => None,
+            };
+            let (wrk_direct, wrk_proxy, wrk_nginx) = if wrk_installed {
                 let d = super::wrk::run(wrk, &direct_url, c, plan.measure).await;
                 let p = super::wrk::run(wrk, &proxy_url, c, plan.measure).await;
-                if let Err(e) = d.as_ref().and(p.as_ref()) {
+                let n = match &nginx_url {
+                    Some(url) => Some(super::wrk::run(wrk, url, c, plan.measure).await),
+                    None => None,
+                };
+                for e in [
+                    d.as_ref().err(),
+                    p.as_ref().err(),
+                    n.as_ref().and_then(|n| n.as_ref().err()),
+                ]
+                .into_iter()
+                .flatten()
+                {
                     tracing::warn!(error = %e, "wrk run failed");
                 }
-                (d.ok(), p.ok())
+                (d.ok(), p.ok(), n.and_then(Result::ok))
             } else {
-                (None, None)
+                (None, None, None)
             };
             rows.push(PassRow {
                 concurrency: c,
                 direct,
                 proxy,
+                nginx: nginx_stats,
                 wrk_direct,
                 wrk_proxy,
+                wrk_nginx,
             });
         }
         Ok(rows)
