@@ -9,10 +9,10 @@
 //! id, `messages` not an array) is left to `BatchDoc`.
 
 use std::borrow::Cow;
-use std::collections::hash_map::DefaultHasher;
+use std::collections::hash_map::RandomState;
 use std::collections::{HashMap, HashSet};
 use std::fmt;
-use std::hash::{Hash, Hasher};
+use std::hash::BuildHasher;
 
 use serde::de::{Deserializer, MapAccess, Visitor};
 use serde::Deserialize;
@@ -80,6 +80,53 @@ impl<'de: 'a, 'a> Deserialize<'de> for Members<'a> {
     }
 }
 
+/// Why [`with_version`] refused a body.
+#[derive(Debug)]
+pub enum NotADocument {
+    /// Valid JSON, but not an object.
+    NotAnObject,
+    /// Not JSON.
+    Malformed(serde_json::Error),
+}
+
+/// A JSON object's bytes with its top-level `version` set (added at the end when absent),
+/// every other member copied as it is, without parsing it into values.
+pub fn with_version(json: &[u8], version: u64) -> Result<Vec<u8>, NotADocument> {
+    let Members(members) = match serde_json::from_slice(json) {
+        Ok(m) => m,
+        Err(e) => {
+            return Err(match serde_json::from_slice::<serde::de::IgnoredAny>(json) {
+                Ok(_) => NotADocument::NotAnObject,
+                Err(_) => NotADocument::Malformed(e),
+            })
+        }
+    };
+    let mut out = Vec::with_capacity(json.len() + 24);
+    out.push(b'{');
+    let mut seen = false;
+    for (i, (key, value)) in members.iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        let _ = serde_json::to_writer(&mut out, key);
+        out.push(b':');
+        if key == "version" {
+            seen = true;
+            out.extend_from_slice(version.to_string().as_bytes());
+        } else {
+            out.extend_from_slice(value.get().as_bytes());
+        }
+    }
+    if !seen {
+        if !members.is_empty() {
+            out.push(b',');
+        }
+        out.extend_from_slice(format!("\"version\":{version}").as_bytes());
+    }
+    out.push(b'}');
+    Ok(out)
+}
+
 /// What is read of a stored message: its id.
 #[derive(Deserialize)]
 struct MessageId<'a> {
@@ -94,6 +141,8 @@ pub struct RawBatch<'a> {
     messages: Vec<Message<'a>>,
     /// The id of each message of `messages`, in order.
     message_ids: Vec<String>,
+    /// The key in a [`DigestCache`] of each stored message (its bytes' hash and length).
+    keys: Vec<(u64, usize)>,
     /// The ids an append skips: every stored message's and the recently compacted ones.
     index: HashSet<String>,
     turn: u64,
@@ -102,11 +151,13 @@ pub struct RawBatch<'a> {
 
 impl<'a> RawBatch<'a> {
     /// The stored document, when it can be taken raw (see the module's comment).
-    pub fn parse(session: &'a SessionId, stored: &'a [u8]) -> Option<Self> {
+    /// Ids are taken from `cache` for messages whose bytes it knows.
+    pub fn parse(session: &'a SessionId, stored: &'a [u8], cache: &DigestCache) -> Option<Self> {
         let Members(members) = serde_json::from_slice(stored).ok()?;
         let mut fields = Vec::with_capacity(members.len());
         let mut messages = Vec::new();
         let mut message_ids = Vec::new();
+        let mut keys = Vec::new();
         let mut index = HashSet::new();
         let (mut turn, mut version) = (0, 0);
         let mut has_messages = false;
@@ -116,15 +167,21 @@ impl<'a> RawBatch<'a> {
                     let list: Vec<&'a RawValue> = serde_json::from_str(raw.get()).ok()?;
                     messages.reserve(list.len() + 16);
                     message_ids.reserve(list.len() + 16);
+                    keys.reserve(list.len());
                     index.reserve(list.len() + 16);
                     for m in list {
                         // Only objects with a string id are taken raw.
                         if !m.get().starts_with('{') {
                             return None;
                         }
-                        let id = serde_json::from_str::<MessageId>(m.get()).ok()?.id?.into_owned();
+                        let key = cache.key(m.get());
+                        let id = match cache.entries.get(&key) {
+                            Some(known) => known.id.clone(),
+                            None => serde_json::from_str::<MessageId>(m.get()).ok()?.id?.into_owned(),
+                        };
                         index.insert(id.clone());
                         message_ids.push(id);
+                        keys.push(key);
                         messages.push(Message::Stored(m));
                     }
                     has_messages = true;
@@ -150,6 +207,7 @@ impl<'a> RawBatch<'a> {
             fields,
             messages,
             message_ids,
+            keys,
             index,
             turn,
             stored_version: version,
@@ -276,19 +334,23 @@ impl Finished<'_> {
             .collect();
         let mut next = HashMap::with_capacity(self.batch.messages.len());
         let mut message_digests = Vec::with_capacity(self.batch.messages.len());
-        for (id, m) in self.batch.message_ids.iter().zip(&self.batch.messages) {
+        for (i, (id, m)) in self.batch.message_ids.iter().zip(&self.batch.messages).enumerate() {
             let json = m.json();
-            let mut h = DefaultHasher::new();
-            json.hash(&mut h);
-            let key = (id.clone(), h.finish(), json.len());
-            let d = match cache.0.remove(&key) {
-                Some(d) => d,
-                None => digest(&serde_json::from_str::<Value>(json).unwrap_or(Value::Null)),
+            let key = match self.batch.keys.get(i) {
+                Some(key) => *key,
+                None => cache.key(json),
             };
-            message_digests.push(d.clone());
-            next.insert(key, d);
+            let known = match cache.entries.remove(&key) {
+                Some(known) if known.id == *id => known,
+                _ => Known {
+                    id: id.clone(),
+                    digest: digest(&serde_json::from_str::<Value>(json).unwrap_or(Value::Null)),
+                },
+            };
+            message_digests.push(known.digest.clone());
+            next.insert(key, known);
         }
-        cache.0 = next;
+        cache.entries = next;
         Snapshot {
             version,
             field_digests,
@@ -298,10 +360,35 @@ impl Finished<'_> {
     }
 }
 
-/// The digests of the messages of a document's last snapshot, by id and by a hash and the
-/// length of the message's bytes.
+/// What is known of the messages of a document's last snapshot, by a keyed hash and the
+/// length of each message's bytes: its id and its digest. A message whose bytes are
+/// unchanged is neither parsed for its id nor digested again.
 #[derive(Default)]
-pub struct DigestCache(HashMap<(String, u64, usize), String>);
+pub struct DigestCache {
+    /// Keyed at random: nobody can make two messages' hashes collide on purpose.
+    hasher: RandomState,
+    entries: HashMap<(u64, usize), Known>,
+}
+
+struct Known {
+    id: String,
+    digest: String,
+}
+
+impl DigestCache {
+    fn key(&self, json: &str) -> (u64, usize) {
+        (self.hasher.hash_one(json.as_bytes()), json.len())
+    }
+
+    /// How many messages it knows.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+}
 
 #[cfg(test)]
 mod tests {
@@ -329,7 +416,7 @@ mod tests {
     fn both(stored: &Value, appends: &[(u64, Vec<Value>)]) -> Option<(Outcome, Outcome)> {
         let session = sid();
         let bytes = serde_json::to_vec(stored).ok()?;
-        let mut raw = RawBatch::parse(&session, &bytes)?;
+        let mut raw = RawBatch::parse(&session, &bytes, &DigestCache::default())?;
         let mut ids = Seq(0);
         let raw_results: Vec<_> = appends.iter().map(|(t, m)| raw.append(*t, m, &mut ids)).collect();
         let version = raw.version() + 1;
@@ -389,6 +476,23 @@ mod tests {
     }
 
     #[test]
+    fn with_version_sets_the_version_and_keeps_every_other_member() {
+        for doc in [
+            json!({}),
+            json!({"version": 3, "a": [1, {"b": "\u{e9}"}], "c": null}),
+            json!({"a": "x \" y", "messages": [{"id": "m"}]}),
+        ] {
+            let bytes = serde_json::to_vec(&doc).unwrap_or_default();
+            let out = with_version(&bytes, 9).map(|b| serde_json::from_slice::<Value>(&b).ok());
+            let mut expected = doc.clone();
+            expected["version"] = json!(9);
+            assert!(matches!(out, Ok(Some(v)) if v == expected), "{doc}");
+        }
+        assert!(matches!(with_version(b"[1]", 1), Err(NotADocument::NotAnObject)));
+        assert!(matches!(with_version(b"{\"a\":", 1), Err(NotADocument::Malformed(_))));
+    }
+
+    #[test]
     fn documents_the_raw_merge_cannot_take_are_left_to_the_value_merge() {
         let session = sid();
         for stored in [
@@ -399,7 +503,10 @@ mod tests {
             json!([1, 2]),
         ] {
             let bytes = serde_json::to_vec(&stored).unwrap_or_default();
-            assert!(RawBatch::parse(&session, &bytes).is_none(), "{stored} taken raw");
+            assert!(
+                RawBatch::parse(&session, &bytes, &DigestCache::default()).is_none(),
+                "{stored} taken raw"
+            );
         }
     }
 
@@ -411,7 +518,7 @@ mod tests {
         let bytes = serde_json::to_vec(&stored).unwrap_or_default();
         let mut cache = DigestCache::default();
         for round in 0..2 {
-            let Some(mut raw) = RawBatch::parse(&session, &bytes) else {
+            let Some(mut raw) = RawBatch::parse(&session, &bytes, &cache) else {
                 panic!("not taken raw");
             };
             let _ = raw.append(1, &[json!({"id": format!("n-{round}")})], &mut Seq(0));
@@ -419,7 +526,7 @@ mod tests {
             let doc: Value = serde_json::from_str(&finished.body).unwrap_or_default();
             let expected = Snapshot::of(doc.as_object().unwrap_or(&Map::new()));
             assert_eq!(finished.snapshot(3, &mut cache), expected);
-            assert_eq!(cache.0.len(), 3, "the cache holds this document's messages only");
+            assert_eq!(cache.len(), 3, "the cache holds this document's messages only");
         }
     }
 

@@ -112,11 +112,12 @@ pub(super) async fn merge_attempts(
         let created = fetched.body.is_none();
         // A batch of appends to a stored document is merged on the store's raw JSON; any
         // other batch (or a document the raw merge does not take) on parsed values.
+        let digests = s.digest_cache(path);
         let raw = fetched
             .body
             .as_deref()
             .filter(|_| batch.iter().all(|p| matches!(p.write, Op::Append { .. })))
-            .and_then(|bytes| RawBatch::parse(session, bytes));
+            .and_then(|bytes| RawBatch::parse(session, bytes, &lock(&digests)));
         let (merged, results, current_version) = match raw {
             Some(mut doc) => {
                 let version = doc.version();
@@ -186,7 +187,7 @@ pub(super) async fn merge_attempts(
             Ok(etag) => {
                 // Only a merged PUT reads a snapshot back: without such a route none is kept.
                 if s.settings.snapshots {
-                    let snapshot = written.snapshot(new_version, &mut lock(&queue.digests));
+                    let snapshot = written.snapshot(new_version, &mut lock(&digests));
                     records.push(Entry {
                         key: queue.scope.history(new_version),
                         value: Bytes::from(serde_json::to_vec(&snapshot).unwrap_or_default()),

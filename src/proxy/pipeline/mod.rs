@@ -61,6 +61,10 @@ const MAX_ATTEMPTS: u32 = 4;
 /// that commit is in flight, and needs a store round trip to land.
 const REQUEUE_PAUSE: Duration = Duration::from_millis(2);
 
+/// Documents whose message digests a proxy keeps (the hot ones: all are forgotten when more
+/// are written, and relearned at their next commit).
+const DIGEST_CACHES: usize = 256;
+
 #[derive(Clone, Debug)]
 pub struct Settings {
     /// How long a leader competes for the lock in one round (and a holder waits for another
@@ -102,9 +106,27 @@ struct Shared {
     gates: DashMap<SessionId, Arc<tokio::sync::Mutex<()>>>,
     tracker: TaskTracker,
     next_id: AtomicU64,
+    /// What is known of the messages of the documents this proxy committed last (see
+    /// [`crate::merge::DigestCache`]), by document; at most [`DIGEST_CACHES`] documents.
+    digests: DashMap<String, Arc<Mutex<crate::merge::DigestCache>>>,
     /// Set once the store answered a read with an ETag: its `If-Match` then orders merge
     /// writes, and they skip the commit slot.
     etags_seen: AtomicBool,
+}
+
+// === impl Shared ===
+
+impl Shared {
+    /// The message digests known of the document at `path`.
+    fn digest_cache(&self, path: &str) -> Arc<Mutex<crate::merge::DigestCache>> {
+        if let Some(cache) = self.digests.get(path) {
+            return cache.clone();
+        }
+        if self.digests.len() >= DIGEST_CACHES {
+            self.digests.clear();
+        }
+        self.digests.entry(path.to_owned()).or_default().clone()
+    }
 }
 
 // === impl Pipeline ===
@@ -133,6 +155,7 @@ impl Pipeline {
                 tracker: TaskTracker::new(),
                 next_id: AtomicU64::new(1),
                 etags_seen: AtomicBool::new(false),
+                digests: DashMap::new(),
             }),
         }
     }
@@ -243,7 +266,6 @@ impl Pipeline {
                     lock_key,
                     path,
                     state: Mutex::new(QueueState::default()),
-                    digests: Mutex::default(),
                 })
             })
             .clone();

@@ -25,9 +25,6 @@ pub(super) struct Queue<W> {
     /// The keys of what the queue's writes protect.
     pub(super) scope: Scope,
     pub(super) state: Mutex<QueueState<W>>,
-    /// The message digests of the last snapshot this queue's leader took (merge queues),
-    /// kept while the queue lives: each message is digested once, not at every commit.
-    pub(super) digests: Mutex<crate::merge::DigestCache>,
 }
 
 pub(super) struct QueueState<W> {
@@ -142,7 +139,6 @@ mod tests {
             turn: 1,
             lock_key: "t:session:{s-1}:1".into(),
             path: "/v1/sessions/s-1".into(),
-            digests: Mutex::default(),
             state: Mutex::new(QueueState::default()),
         }
     }
