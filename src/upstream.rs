@@ -240,6 +240,19 @@ impl Upstream {
         }
     }
 
+    /// The store's URI for a request URI as the agent sent it: its path and query kept as they
+    /// are (not copied nor parsed again) when the store's URL has no path of its own.
+    pub fn uri_of(&self, uri: &Uri) -> Result<Uri, http::Error> {
+        match uri.path_and_query() {
+            Some(pq) if self.base_path.is_empty() => Uri::builder()
+                .scheme(self.scheme.clone())
+                .authority(self.authority.clone())
+                .path_and_query(pq.clone())
+                .build(),
+            pq => self.uri(pq.map_or("/", |p| p.as_str())),
+        }
+    }
+
     /// The store's URI for a request path (and query) as the agent sent it.
     pub fn uri(&self, path_and_query: &str) -> Result<Uri, http::Error> {
         Uri::builder()

@@ -93,8 +93,8 @@ impl Proxy {
     /// ([`RouteName`]) for the request metrics layer.
     pub async fn handle(&self, req: Request<Body>, peer: SocketAddr) -> Response<Body> {
         let inner = &self.inner;
-        let path = req.uri().path().to_owned();
-        let (route_name, mut res) = match inner.routes.find(req.method(), &path) {
+        let found = inner.routes.find(req.method(), req.uri().path());
+        let (route_name, mut res) = match found {
             Ok(Some((route, session))) => {
                 let _in_flight = inner.metrics.write_in_flight();
                 let (parts, body) = req.into_parts();
@@ -129,8 +129,7 @@ impl Proxy {
         let upgrade = passthrough::upgrade_requested(req.headers());
         let client_upgrade = upgrade.as_ref().map(|_| hyper::upgrade::on(&mut req));
         let (mut parts, body) = req.into_parts();
-        let pq = parts.uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
-        parts.uri = match upstream.uri(pq) {
+        parts.uri = match upstream.uri_of(&parts.uri) {
             Ok(u) => u,
             Err(e) => return error(StatusCode::BAD_REQUEST, "invalid_path", e, None),
         };
