@@ -215,12 +215,32 @@ fn log_write(route: &str, session: &str, turn: u64, answer: &answer::Answer, sta
 }
 
 fn append_forwarded_for(headers: &mut http::HeaderMap, peer: SocketAddr) {
-    let ip = peer.ip().to_string();
+    let ip = peer.ip();
     let value = match headers.get("x-forwarded-for").and_then(|v| v.to_str().ok()) {
-        Some(prior) if !prior.is_empty() => format!("{prior}, {ip}"),
-        _ => ip,
+        Some(prior) if !prior.is_empty() => HeaderValue::from_str(&format!("{prior}, {ip}")).ok(),
+        _ => Some(forwarded_ip(ip)),
     };
-    if let Ok(v) = HeaderValue::from_str(&value) {
+    if let Some(v) = value {
         headers.insert("x-forwarded-for", v);
     }
+}
+
+/// The header value of an agent's address, written once per thread for the last address seen
+/// (an agent reaches its sidecar from one address).
+fn forwarded_ip(ip: std::net::IpAddr) -> HeaderValue {
+    thread_local! {
+        static LAST: std::cell::RefCell<Option<(std::net::IpAddr, HeaderValue)>> = const { std::cell::RefCell::new(None) };
+    }
+    LAST.with(|last| {
+        let mut last = last.borrow_mut();
+        match &*last {
+            Some((seen, value)) if *seen == ip => value.clone(),
+            _ => {
+                let value =
+                    HeaderValue::from_str(&ip.to_string()).unwrap_or_else(|_| HeaderValue::from_static("unknown"));
+                *last = Some((ip, value.clone()));
+                value
+            }
+        }
+    })
 }
