@@ -14,6 +14,7 @@ mod coalescing;
 mod commit_order;
 mod contention;
 mod edges;
+mod fair_order;
 mod faults;
 mod faults_failover;
 mod fuzz_props;

@@ -409,6 +409,10 @@ impl Committer for SerializeCommit {
 
 async fn lead_queue<C: Committer>(s: Arc<Shared>, queue: Arc<Queue<C::Write>>, queue_key: String) {
     let fence_key = s.keys.fence_token(&queue.session);
+    // This leader's place in the lock's order across proxies, kept for as long as it leads.
+    let waiter = format!("{:016x}", rand::random::<u64>());
+    // Whether the last round ended with a place still taken in that order.
+    let mut placed = false;
     let mut dropped = Vec::new();
     while let Some(deadline) =
         queue.next_deadline(|waited| unanswered(&s.locks, s.settings.budget, waited), &mut dropped)
@@ -426,9 +430,17 @@ async fn lead_queue<C: Committer>(s: Arc<Shared>, queue: Arc<Queue<C::Write>>, q
         // One round: the writes past their deadline are answered between rounds, and the
         // session's other turns waiting at the gate get their turn.
         let round = deadline.min(Instant::now() + s.settings.budget);
-        match s.locks.acquire(&queue.lock_key, &fence_key, round, &s.metrics).await {
-            Err(LockError::Busy(_)) => continue,
+        match s
+            .locks
+            .acquire_as(&queue.lock_key, &fence_key, round, &s.metrics, &waiter)
+            .await
+        {
+            Err(LockError::Busy(_)) => {
+                placed = true;
+                continue;
+            }
             Err(LockError::Backend(e)) => {
+                placed = true;
                 if let Some(suppressed) = crate::telemetry::warn_allowed("lock backend unavailable") {
                     tracing::warn!(lock = %queue.lock_key, error = %e, suppressed, "lock backend unavailable");
                 }
@@ -437,6 +449,8 @@ async fn lead_queue<C: Committer>(s: Arc<Shared>, queue: Arc<Queue<C::Write>>, q
                 ))));
             }
             Ok(lease) => {
+                // A grant takes the waiter out of the order.
+                placed = false;
                 let batch = queue.take(s.settings.max_batch);
                 if batch.is_empty() {
                     lease.release(&s.metrics).await;
@@ -488,6 +502,10 @@ async fn lead_queue<C: Committer>(s: Arc<Shared>, queue: Arc<Queue<C::Write>>, q
                 }
             }
         }
+    }
+    // Nothing waits any more: the place in the lock's order goes (else it lapses by itself).
+    if placed {
+        s.locks.leave(&queue.lock_key, &waiter).await;
     }
     C::queues(&s).remove_if(&queue_key, |_, q| q.is_idle());
     // The gate goes when no leader holds or waits for it (only this map's reference is left).
