@@ -160,7 +160,6 @@ impl<'a> RawBatch<'a> {
         let mut keys = Vec::new();
         let mut index = HashSet::new();
         let (mut turn, mut version) = (0, 0);
-        let mut has_messages = false;
         for (key, raw) in members {
             match &*key {
                 "messages" => {
@@ -184,7 +183,8 @@ impl<'a> RawBatch<'a> {
                         keys.push(key);
                         messages.push(Message::Stored(m));
                     }
-                    has_messages = true;
+                    // The messages keep their place among the fields (written by `finish`).
+                    fields.push((key, Field::Set(String::new())));
                     continue;
                 }
                 "turn" => turn = serde_json::from_str::<Value>(raw.get()).ok()?.as_u64().unwrap_or(0),
@@ -197,10 +197,6 @@ impl<'a> RawBatch<'a> {
                 _ => {}
             }
             fields.push((key, Field::Raw(raw)));
-        }
-        // The messages keep their place among the fields.
-        if has_messages {
-            fields.push((Cow::Borrowed("messages"), Field::Set(String::new())));
         }
         Some(Self {
             session,
@@ -462,6 +458,21 @@ mod tests {
             panic!("the raw merge did not take a plain document");
         };
         assert_eq!(raw, values);
+    }
+
+    #[test]
+    fn the_stored_order_of_fields_is_kept() {
+        let session = sid();
+        let bytes = br#"{"a":1,"messages":[{"id":"m-1"}],"z":2,"session":"s-1","turn":1,"version":3}"#;
+        let Some(mut raw) = RawBatch::parse(&session, bytes, &DigestCache::default()) else {
+            panic!("not taken raw");
+        };
+        let _ = raw.append(1, &[json!({"id": "m-2"})], &mut Seq(0));
+        let body = raw.finish(4, 9).body;
+        let keys: Vec<String> = serde_json::from_str::<Map<String, Value>>(&body)
+            .map(|m| m.keys().cloned().collect())
+            .unwrap_or_default();
+        assert_eq!(keys, ["a", "messages", "z", "session", "turn", "version", "life"]);
     }
 
     #[test]
