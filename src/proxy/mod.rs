@@ -142,8 +142,17 @@ impl Proxy {
         parts.headers.remove(crate::upstream::FENCING_TOKEN);
         append_forwarded_for(&mut parts.headers, peer);
         parts.version = http::Version::HTTP_11;
-        let (body, body_sent) = passthrough::Reported::new(body, upstream.timeout());
-        let req = Request::from_parts(parts, body.boxed());
+        // A request without a body (most reads) is sent as it is: nothing to report.
+        let (req, body_sent) = if http_body::Body::is_end_stream(&body) {
+            let sent = futures_util::future::Either::Left(std::future::ready(true));
+            (Request::from_parts(parts, body), sent)
+        } else {
+            let (body, sent) = passthrough::Reported::new(body, upstream.timeout());
+            (
+                Request::from_parts(parts, body.boxed()),
+                futures_util::future::Either::Right(sent),
+            )
+        };
         match upstream.forward(req, body_sent).await {
             Ok(mut res) => {
                 let switched = res.status() == StatusCode::SWITCHING_PROTOCOLS;
