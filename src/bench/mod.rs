@@ -10,6 +10,8 @@
 //! writes the figures as JSON, and checks them against the targets in the design.
 
 mod baselines;
+mod compaction;
+mod histograms;
 mod load;
 mod phases;
 mod procs;

@@ -14,6 +14,8 @@ use serde_json::{json, Value};
 use tokio::time::Instant;
 
 use super::baselines::{self, PollingLock, Waiting};
+use super::compaction::{self, Target};
+use super::histograms::Histograms;
 use super::load::{bursts, closed_loop, Http, Phase};
 use super::procs::{self, Child};
 use super::{BenchError, HotRow, PassRow, Plan, Resources, WriteRow};
@@ -29,12 +31,8 @@ pub const BURSTS: &str = "bursts";
 /// The hot session's document grows by every write.
 pub const GROWING: &str = "growing";
 /// The hot session's document is compacted periodically, as agents do: it stays near
-/// [`COMPACT_KEEP`] messages.
+/// [`compaction::KEEP`] messages.
 pub const COMPACTED: &str = "compacted";
-/// Messages a compaction keeps.
-const COMPACT_KEEP: usize = 200;
-/// The pause between two compactions.
-const COMPACT_EVERY: Duration = Duration::from_millis(100);
 
 /// Sessions each writer of the uncontended phase cycles through.
 const SESSIONS_PER_WRITER: u64 = 8;
@@ -247,48 +245,6 @@ impl Rig {
         Ok(rows)
     }
 
-    /// Compacts `session` every [`COMPACT_EVERY`] until `stop`, down to [`COMPACT_KEEP`]
-    /// messages: through proxy 0 for turnlock, else a GET-modify-PUT under the design's
-    /// own lock. Returns the ids it compacted away.
-    fn compactor(
-        &self,
-        design: &'static str,
-        session: &str,
-        stop: Arc<AtomicBool>,
-    ) -> tokio::task::JoinHandle<Vec<String>> {
-        let http = self.http.clone();
-        let session = session.to_owned();
-        let proxy = self.proxy_url(0);
-        let store = self.store_url();
-        let polling = PollingLock::new(
-            self.redis_conn.clone(),
-            Waiting::Backoff {
-                first: baselines::BACKOFF_FIRST,
-                max: baselines::BACKOFF_MAX,
-            },
-        );
-        let lock_key = format!("bench:lock:{session}");
-        tokio::spawn(async move {
-            let mut dropped = Vec::new();
-            while !stop.load(Ordering::Relaxed) {
-                tokio::time::sleep(COMPACT_EVERY).await;
-                if design == TURNLOCK {
-                    dropped.extend(compact_through_proxy(&http, &proxy, &session).await);
-                } else {
-                    let token = format!("{:032x}", rand::random::<u128>());
-                    if polling
-                        .acquire(&lock_key, &token, Instant::now() + Duration::from_secs(2))
-                        .await
-                    {
-                        dropped.extend(baselines::compact(&http, &store, &session, COMPACT_KEEP).await);
-                        polling.release(&lock_key, &token).await;
-                    }
-                }
-            }
-            dropped
-        })
-    }
-
     async fn hot_one(
         &self,
         plan: &Plan,
@@ -299,7 +255,21 @@ impl Rig {
     ) -> Result<HotRow, BenchError> {
         let session = format!("hot-{}-{load}-{writers}-{doc}", design.replace(' ', "-"));
         let stop = Arc::new(AtomicBool::new(false));
-        let compactor = (doc == COMPACTED).then(|| self.compactor(design, &session, stop.clone()));
+        let compactor = (doc == COMPACTED).then(|| {
+            let polling = PollingLock::new(
+                self.redis_conn.clone(),
+                Waiting::Backoff {
+                    first: baselines::BACKOFF_FIRST,
+                    max: baselines::BACKOFF_MAX,
+                },
+            );
+            let target = if design == TURNLOCK {
+                Target::Proxy(self.proxy_url(0))
+            } else {
+                Target::Store(self.store_url(), polling)
+            };
+            compaction::spawn(self.http.clone(), target, &session, stop.clone())
+        });
         let phase = Phase {
             workers: writers,
             warmup: plan.warmup,
@@ -533,52 +503,6 @@ where
     }
 }
 
-/// A histogram's sum and count.
-#[derive(Clone, Copy, Default)]
-struct SumCount {
-    sum: f64,
-    count: f64,
-}
-
-impl SumCount {
-    fn add(&mut self, sum: f64, count: f64) {
-        self.sum += sum;
-        self.count += count;
-    }
-
-    fn mean(&self) -> Option<f64> {
-        (self.count > 0.0).then(|| self.sum / self.count)
-    }
-
-    fn since(&self, before: &SumCount) -> SumCount {
-        SumCount {
-            sum: self.sum - before.sum,
-            count: self.count - before.count,
-        }
-    }
-}
-
-#[derive(Clone, Copy, Default)]
-struct Histograms {
-    batch: SumCount,
-    hold: SumCount,
-    wait: SumCount,
-    get: SumCount,
-    put: SumCount,
-}
-
-impl Histograms {
-    fn since(&self, before: &Histograms) -> Histograms {
-        Histograms {
-            batch: self.batch.since(&before.batch),
-            hold: self.hold.since(&before.hold),
-            wait: self.wait.since(&before.wait),
-            get: self.get.since(&before.get),
-            put: self.put.since(&before.put),
-        }
-    }
-}
-
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -587,39 +511,6 @@ fn cpu_ms_per_1000(before: Option<Duration>, after: Option<Duration>, writes: f6
     match (before, after) {
         (Some(b), Some(a)) => a.saturating_sub(b).as_secs_f64() * 1000.0 / writes * 1000.0,
         _ => f64::NAN,
-    }
-}
-
-/// One compaction through turnlock down to [`COMPACT_KEEP`] messages; the ids it dropped.
-async fn compact_through_proxy(http: &Http, proxy: &str, session: &str) -> Vec<String> {
-    let url = format!("{proxy}/v1/sessions/{session}");
-    let ids: Vec<String> = match http.get(&url).await {
-        Ok(r) if r.status == StatusCode::OK => serde_json::from_slice::<Value>(&r.body)
-            .ok()
-            .and_then(|d| {
-                d["messages"]
-                    .as_array()
-                    .map(|m| m.iter().filter_map(|m| m["id"].as_str().map(str::to_owned)).collect())
-            })
-            .unwrap_or_default(),
-        _ => return Vec::new(),
-    };
-    if ids.len() <= COMPACT_KEEP {
-        return Vec::new();
-    }
-    let through = ids.len() - COMPACT_KEEP - 1;
-    let body = json!({"turn": 1, "through": ids[through], "summary": format!("{} messages compacted", through + 1)});
-    match http
-        .send(
-            Method::POST,
-            &format!("{url}/compact"),
-            Some(Bytes::from(body.to_string())),
-            &[],
-        )
-        .await
-    {
-        Ok(r) if r.status.is_success() => ids[..=through].to_vec(),
-        _ => Vec::new(),
     }
 }
 
