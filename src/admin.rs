@@ -106,8 +106,12 @@ fn handle<B>(req: &Request<B>, metrics: &Metrics, health: &Health) -> Response<B
             } else {
                 StatusCode::SERVICE_UNAVAILABLE
             };
-            let body = if ready {
+            let down = health.down();
+            let body = if ready && down.is_empty() {
                 json!({"ready": true})
+            } else if ready {
+                // Still ready (reads pass through, writes fail fast), but say what is down and why.
+                json!({"ready": true, "down": down})
             } else {
                 json!({"ready": false, "reason": "shutting down"})
             };

@@ -3,6 +3,7 @@
 //! Each other subcommand's arguments live with its module.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::builder::BoolishValueParser;
@@ -103,6 +104,31 @@ pub struct ProxyArgs {
     /// for a shorter wait with `X-Wait-Deadline-Ms`.
     #[arg(long, env = "TURNLOCK_WAIT_DEADLINE_MS", default_value_t = DEFAULT_WAIT_DEADLINE_MS)]
     pub wait_deadline_ms: u64,
+    /// CA certificates (PEM) that an `https://` store's certificate may chain to, besides the
+    /// system's roots.
+    #[arg(long, env = "TURNLOCK_UPSTREAM_CA")]
+    pub upstream_ca: Option<std::path::PathBuf>,
+    /// PEM file of the CA(s) that sign the Redis server's certificate (`rediss://`); the
+    /// system's roots when unset. Re-read when it changes.
+    #[arg(long, env = "TURNLOCK_REDIS_CA")]
+    pub redis_ca: Option<PathBuf>,
+    /// PEM client certificate (chain) for mutual TLS with Redis; with `--redis-key`.
+    #[arg(long, env = "TURNLOCK_REDIS_CERT")]
+    pub redis_cert: Option<PathBuf>,
+    /// PEM private key of `--redis-cert`.
+    #[arg(long, env = "TURNLOCK_REDIS_KEY")]
+    pub redis_key: Option<PathBuf>,
+    /// The name the Redis server's certificate must carry, when the URL's host is not it
+    /// (connecting by IP address).
+    #[arg(long, env = "TURNLOCK_REDIS_TLS_SERVER_NAME")]
+    pub redis_tls_server_name: Option<String>,
+    /// Redis ACL user (over any user in the URL).
+    #[arg(long, env = "TURNLOCK_REDIS_USERNAME")]
+    pub redis_username: Option<String>,
+    /// File holding the Redis password (a mounted Secret), over any password in the URL;
+    /// re-read for each new connection.
+    #[arg(long, env = "TURNLOCK_REDIS_PASSWORD_FILE")]
+    pub redis_password_file: Option<PathBuf>,
 }
 
 /// The default wait deadline: room for a few dozen read-merge-writes (tens of ms each) of
@@ -222,10 +248,40 @@ impl ProxyArgs {
         if !self.session_prefix.starts_with('/') {
             return err("--session-prefix must start with '/'");
         }
+        let redis_settings = self.redis_ca.is_some()
+            || self.redis_cert.is_some()
+            || self.redis_key.is_some()
+            || self.redis_tls_server_name.is_some()
+            || self.redis_username.is_some()
+            || self.redis_password_file.is_some();
+        if redis_settings && self.redis.is_none() {
+            return err("--redis-ca, --redis-cert, --redis-key, --redis-tls-server-name, --redis-username and --redis-password-file need --redis");
+        }
+        if self
+            .redis_username
+            .as_deref()
+            .is_some_and(|u| u.is_empty() || u.contains(char::is_whitespace))
+        {
+            return err("--redis-username must be a non-empty name without spaces");
+        }
         if self.key_prefix.contains(['*', '?', '[', ']']) {
             return err("--key-prefix may not contain Redis glob characters");
         }
         Ok(())
+    }
+
+    /// How to connect to Redis besides the URL: TLS files and credentials.
+    pub fn redis_options(&self) -> crate::redis_conn::ConnOptions {
+        crate::redis_conn::ConnOptions {
+            tls: crate::redis_tls::TlsFiles {
+                ca: self.redis_ca.clone(),
+                cert: self.redis_cert.clone(),
+                key: self.redis_key.clone(),
+                server_name: self.redis_tls_server_name.clone(),
+            },
+            username: self.redis_username.clone(),
+            password_file: self.redis_password_file.clone(),
+        }
     }
 
     pub fn lease(&self) -> Duration {
@@ -260,6 +316,13 @@ impl ProxyArgs {
             upstream_max_connections: 256,
             upstream_idle_timeout_ms: 30_000,
             wait_deadline_ms: DEFAULT_WAIT_DEADLINE_MS,
+            upstream_ca: None,
+            redis_ca: None,
+            redis_cert: None,
+            redis_key: None,
+            redis_tls_server_name: None,
+            redis_username: None,
+            redis_password_file: None,
         }
     }
 }

@@ -71,6 +71,19 @@ impl Health {
         !self.inner.redis.checked.load(Ordering::Acquire) || self.inner.redis.up.load(Ordering::Acquire)
     }
 
+    /// Why each dependency that failed its last check is down (`/readyz` shows it; readiness
+    /// itself does not depend on it).
+    pub fn down(&self) -> serde_json::Map<String, Value> {
+        let mut down = serde_json::Map::new();
+        for dep in std::iter::once(&self.inner.redis).chain(self.inner.store.as_ref()) {
+            if dep.checked.load(Ordering::Acquire) && !dep.up.load(Ordering::Acquire) {
+                let state = dep.state.lock().unwrap_or_else(|p| p.into_inner());
+                down.insert(dep.name.into(), state.error.clone().map_or(Value::Null, Value::String));
+            }
+        }
+        down
+    }
+
     /// The detailed status for `/status` and `turnlock health --deps`.
     pub fn status(&self) -> Value {
         let mut deps = serde_json::Map::new();

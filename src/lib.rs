@@ -5,11 +5,11 @@
 //! - [`session`]: session ids, turns, the stale rule and the Redis keys (pure).
 //! - [`merge`]: how each kind of write changes a session document (pure), one file per
 //!   operation.
-//! - [`routes`]: which requests are writes and how each is handled.
+//! - [`routes`]: which requests are writes and how each is handled; the store dialects.
 //! - [`lock`]: the session lock (Redis or in-memory): grant, fencing token, renewal, release,
 //!   and the version fence for stores without ETags.
 //! - [`records`]: expiring records (idempotency results, version snapshots).
-//! - [`upstream`]: the HTTP client to the context store.
+//! - [`upstream`]: the HTTP client to the context store (TLS, SigV4 signing).
 //! - [`proxy`]: the agent-facing service: its tower layers (catch-panic, trace, request
 //!   metrics), request parsing, the write pipeline (idempotency, coalescing queue, merge and
 //!   forward commits), the error map, and pass-through forwarding.
@@ -26,6 +26,8 @@
 //! - [`bench`]: turnlock measured side by side with the store alone and with naive locks.
 //! - [`config`]: the proxy's flags, start errors and exit codes (each other subcommand's
 //!   arguments live with its module).
+//! - [`redis_url`]: the Redis URL forms, checked alike by the proxy and the injector.
+//! - [`redis_tls`]: TLS to Redis (roots, client certificate, server name), files reloaded.
 //! - [`http`], [`metrics`], [`redis_conn`], [`client`], [`telemetry`]: the plumbing.
 //!
 //! Top-level modules use each other without a cycle (checked by a unit test).
@@ -44,6 +46,8 @@ pub mod metrics;
 pub mod proxy;
 pub mod records;
 pub mod redis_conn;
+pub mod redis_tls;
+pub mod redis_url;
 pub mod routes;
 pub mod server;
 pub mod session;

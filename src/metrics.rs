@@ -184,6 +184,11 @@ impl Metrics {
             lock_wait.clone(),
         );
         let lock_acquire = Family::<Outcome, Counter>::default();
+        // Every outcome is exposed from the start, at 0: an alert on `increase()` of a series
+        // that first appears at 1 would miss that first failure.
+        for outcome in ["acquired", "busy", "error"] {
+            let _ = lock_acquire.get_or_create(&Outcome { outcome });
+        }
         registry.register(
             "lock_acquire",
             "Lock acquisitions by outcome (acquired, busy, error)",
@@ -192,6 +197,9 @@ impl Metrics {
         let lock_hold = Histogram::new(seconds_buckets());
         registry.register("lock_hold_seconds", "Time a session lock was held", lock_hold.clone());
         let lock_renewals = Family::<Outcome, Counter>::default();
+        for outcome in ["renewed", "failed"] {
+            let _ = lock_renewals.get_or_create(&Outcome { outcome });
+        }
         registry.register(
             "lock_renewals",
             "Lease renewals by outcome (renewed, failed)",

@@ -1,30 +1,64 @@
 //! One shared Redis connection that follows the server: reconnects after a restart or a
 //! network cut, and re-resolves the primary through Sentinel after a failover.
 //!
-//! URLs: `redis://[user:pass@]host:port[/db]` for one server, and
-//! `redis+sentinel://[user:pass@]host:port[,host:port…]/<primary-name>[/db][?sentinel_username=U&sentinel_password=P]`
-//! for Sentinel: the credentials before `@` and the `/db` are the primary's; the Sentinels'
-//! own credentials, when they require any, go in the query.
+//! The URL forms are parsed in [`crate::redis_url`] (the check the injector makes too). Over
+//! TLS (`rediss://`, `rediss+sentinel://`) each connection to the server is made with the
+//! files of [`crate::redis_tls`], re-read when they change; a password file is re-read for
+//! each new connection, so a rotated Secret is used without a restart.
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use redis::aio::MultiplexedConnection;
-use redis::sentinel::{SentinelClient, SentinelNodeConnectionInfo, SentinelServerType};
-use redis::{AsyncConnectionConfig, Client, RedisConnectionInfo, RedisError};
+use redis::aio::{MultiplexedConnection, PubSub};
+use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelNodeConnectionInfo, SentinelServerType};
+use redis::{AsyncConnectionConfig, Client, ConnectionAddr, ConnectionInfo, RedisConnectionInfo, RedisError, TlsMode};
 use tokio::sync::Mutex;
+
+use crate::redis_tls::{ConnectError, Tls, TlsFiles};
+use crate::redis_url::{SentinelSpec, Target};
 
 /// How long one command may take before the connection is treated as broken.
 pub const DEFAULT_RESPONSE_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// How often, at most, the TLS files are looked at for a change.
+const RELOAD_CHECK_EVERY: Duration = Duration::from_secs(1);
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConnError {
     #[error("invalid Redis URL {url:?}: {reason}")]
     InvalidUrl { url: String, reason: String },
+    /// A TLS or credentials setting that cannot be used (a file missing, a flag without TLS).
+    #[error("{0}")]
+    Setting(String),
     #[error("redis: {0}")]
     Redis(#[from] RedisError),
+}
+
+/// How to connect, besides the URL: TLS files and credentials (`--redis-ca`, `--redis-cert`,
+/// `--redis-key`, `--redis-tls-server-name`, `--redis-username`, `--redis-password-file`).
+#[derive(Clone, Debug, Default)]
+pub struct ConnOptions {
+    pub tls: TlsFiles,
+    /// The ACL user, over any user in the URL.
+    pub username: Option<String>,
+    /// A file holding the password (a mounted Secret), over any password in the URL.
+    pub password_file: Option<PathBuf>,
+}
+
+/// Why a first connection failed, as a startup check tells it.
+#[derive(Debug, thiserror::Error)]
+pub enum StartupCheck {
+    /// The TLS exchange failed: an untrusted certificate or one for another name, a client
+    /// certificate Redis does not accept. Starting would not help.
+    #[error("Redis at {url} refused the connection: {reason}")]
+    Refused { url: String, reason: String },
+    /// Redis did not answer (down, or not reachable yet) or refused the credentials; `/readyz`
+    /// reports it until it answers.
+    #[error("Redis at {url} not usable yet: {reason}")]
+    Unreachable { url: String, reason: String },
 }
 
 #[derive(Clone)]
@@ -35,7 +69,13 @@ pub struct RedisConn {
 struct Inner {
     source: Source,
     config: AsyncConnectionConfig,
-    /// The live connection: read on every command (a brief shared lock, never held across
+    /// Bounds the TCP connect, the TLS handshake and the connection's own handshake.
+    connect_timeout: Duration,
+    tls: Option<Tls>,
+    options: ConnOptions,
+    /// When the TLS files were last looked at (microseconds on `progress`' clock).
+    reload_checked_us: AtomicU64,
+    /// The current connection: read on every command (a brief shared lock, never held across
     /// an await), replaced after a failure.
     current: std::sync::RwLock<Option<MultiplexedConnection>>,
     /// Serializes reconnecting, so a burst of failures opens one new connection.
@@ -55,7 +95,7 @@ struct Progress {
     in_flight: AtomicUsize,
     since_us: AtomicU64,
     /// The last command ended without an answer from Redis.
-    silent: std::sync::atomic::AtomicBool,
+    silent: AtomicBool,
 }
 
 struct Outstanding<'a> {
@@ -66,48 +106,114 @@ struct Outstanding<'a> {
 }
 
 enum Source {
-    Direct(Client),
-    Sentinel(Mutex<SentinelClient>),
+    /// One server, plaintext.
+    Direct(ConnectionInfo),
+    /// One server over TLS.
+    Tls {
+        host: String,
+        port: u16,
+        info: RedisConnectionInfo,
+    },
+    Sentinel {
+        client: Box<Mutex<SentinelClient>>,
+        spec: SentinelSpec,
+        tls: bool,
+        /// The TLS files changed: the Sentinel client is rebuilt with them before its next use.
+        stale: AtomicBool,
+    },
+}
+
+/// A failed connection attempt: whether Redis refused us or could not be reached.
+enum Failure {
+    Refused(RedisError),
+    Unreachable(RedisError),
+}
+
+impl Failure {
+    fn into_error(self) -> RedisError {
+        match self {
+            Self::Refused(e) | Self::Unreachable(e) => e,
+        }
+    }
+
+    /// Sorts an error from redis-rs: a failed certificate exchange is a refusal.
+    fn of(e: RedisError) -> Self {
+        if is_refusal(&e) {
+            Self::Refused(e)
+        } else {
+            Self::Unreachable(e)
+        }
+    }
+}
+
+/// A TLS refusal: the certificate exchange failed. (A wrong password is not one: the proxy
+/// starts and reports it, so a password rotated in Redis before its Secret does not stop
+/// pods from starting.)
+fn is_refusal(e: &RedisError) -> bool {
+    let text = e.to_string().to_ascii_lowercase();
+    ["fatal alert", "certificate"].iter().any(|m| text.contains(m))
 }
 
 impl RedisConn {
     /// Parses the URL; no connection is made until the first command.
     pub fn open(url: &str, response_timeout: Duration) -> Result<Self, ConnError> {
-        // Neither the URL nor the parser's reason may carry the password into a log.
-        let shown = redact(url);
-        let secrets = secrets_of(url);
-        let invalid = |reason: &str| ConnError::InvalidUrl {
-            url: shown.clone(),
-            reason: secrets
-                .iter()
-                .filter(|s| !s.is_empty())
-                .fold(reason.to_owned(), |r, s| r.replace(s, "***")),
-        };
-        let source = if let Some(rest) = url.strip_prefix("redis+sentinel://") {
-            let spec = SentinelSpec::parse(rest).map_err(&invalid)?;
-            let client = SentinelClient::build(
-                spec.nodes.clone(),
-                spec.primary.clone(),
-                Some(spec.primary_connection()),
-                SentinelServerType::Master,
-            )
-            .map_err(|e| invalid(&e.to_string()))?;
-            Source::Sentinel(Mutex::new(client))
-        } else if url.starts_with("redis://") || url.starts_with("unix://") {
-            Source::Direct(Client::open(url).map_err(|e| invalid(&e.to_string()))?)
+        Self::open_with(url, response_timeout, &ConnOptions::default())
+    }
+
+    /// Parses the URL and loads the TLS files and credentials of `options`; no connection
+    /// is made until the first command.
+    pub fn open_with(url: &str, response_timeout: Duration, options: &ConnOptions) -> Result<Self, ConnError> {
+        let target = crate::redis_url::parse(url).map_err(|e| ConnError::InvalidUrl {
+            url: e.url,
+            reason: e.reason,
+        })?;
+        let tls_flags = options.tls != TlsFiles::default();
+        if tls_flags && !target.tls() {
+            return Err(ConnError::Setting(
+                "--redis-ca, --redis-cert, --redis-key and --redis-tls-server-name need a rediss:// or rediss+sentinel:// URL"
+                    .into(),
+            ));
+        }
+        if let Some(path) = &options.password_file {
+            read_password(path).map_err(ConnError::Setting)?;
+        }
+        let tls = if target.tls() {
+            Some(Tls::load(options.tls.clone()).map_err(|e| ConnError::Setting(e.to_string()))?)
         } else {
-            return Err(invalid("expected redis:// or redis+sentinel://"));
+            None
         };
+        let source = match target {
+            Target::Direct { info, tls: false } => Source::Direct(info),
+            Target::Direct { info, tls: true } => match info.addr() {
+                ConnectionAddr::TcpTls { host, port, .. } => Source::Tls {
+                    host: host.clone(),
+                    port: *port,
+                    info: info.redis_settings().clone(),
+                },
+                _ => return Err(ConnError::Setting("rediss:// needs host:port".into())),
+            },
+            Target::Sentinel { spec, tls: is_tls } => Source::Sentinel {
+                client: Box::new(Mutex::new(build_sentinel(&spec, is_tls, options, tls.as_ref())?)),
+                spec,
+                tls: is_tls,
+                stale: AtomicBool::new(false),
+            },
+        };
+        let connect_timeout = response_timeout.max(Duration::from_millis(200));
         let config = AsyncConnectionConfig::new()
-            .set_connection_timeout(Some(response_timeout.max(Duration::from_millis(200))))
+            .set_connection_timeout(Some(connect_timeout))
             .set_response_timeout(Some(response_timeout));
         Ok(Self {
             inner: Arc::new(Inner {
                 source,
                 config,
+                connect_timeout,
+                tls,
+                options: options.clone(),
+                reload_checked_us: AtomicU64::new(0),
                 current: std::sync::RwLock::new(None),
                 connecting: Mutex::new(()),
-                display: redact(url),
+                display: crate::redis_url::redact(url),
                 progress: Progress::new(),
                 metrics: std::sync::OnceLock::new(),
             }),
@@ -132,6 +238,7 @@ impl RedisConn {
 
     /// A connection to the current primary, connecting (or re-resolving it) when needed.
     pub async fn get(&self) -> Result<MultiplexedConnection, RedisError> {
+        self.reload_if_due();
         if let Some(conn) = self.current() {
             return Ok(conn);
         }
@@ -139,10 +246,7 @@ impl RedisConn {
         if let Some(conn) = self.current() {
             return Ok(conn);
         }
-        let client = self.client().await?;
-        let conn = client
-            .get_multiplexed_async_connection_with_config(&self.inner.config)
-            .await?;
+        let conn = self.connect().await.map_err(Failure::into_error)?;
         if let Ok(mut current) = self.inner.current.write() {
             *current = Some(conn.clone());
         }
@@ -153,11 +257,269 @@ impl RedisConn {
         self.inner.current.read().ok().and_then(|c| c.clone())
     }
 
-    /// A client for the current primary (for dedicated connections such as pub/sub).
-    pub async fn client(&self) -> Result<Client, RedisError> {
+    /// One first connection and a `PING`, to refuse a start that cannot work (an untrusted
+    /// certificate, a client certificate refused) while a Redis that is only down, or refuses
+    /// the password, lets the proxy start and report it.
+    pub async fn check_at_startup(&self) -> Result<(), StartupCheck> {
+        let url = self.display().to_owned();
+        let bound = self.inner.connect_timeout * 3;
+        let attempt = async {
+            self.probe_tls().await?;
+            let conn = self.connect().await?;
+            let mut c = conn.clone();
+            redis::cmd("PING")
+                .query_async::<()>(&mut c)
+                .await
+                .map_err(Failure::of)?;
+            if let Ok(mut current) = self.inner.current.write() {
+                *current = Some(conn);
+            }
+            Ok(())
+        };
+        match tokio::time::timeout(bound, attempt).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(Failure::Refused(e))) => Err(StartupCheck::Refused {
+                url,
+                reason: self.without_secrets(e.to_string()),
+            }),
+            Ok(Err(Failure::Unreachable(e))) => Err(StartupCheck::Unreachable {
+                url,
+                reason: self.without_secrets(e.to_string()),
+            }),
+            Err(_) => Err(StartupCheck::Unreachable {
+                url,
+                reason: format!("no answer within {bound:?}"),
+            }),
+        }
+    }
+
+    /// Over TLS 1.3 a server that refuses the client's certificate says so only after the
+    /// handshake, in an alert the client reads: one `PING` on a raw TLS stream reads it, so a
+    /// missing or unaccepted client certificate is told apart from a server that is down.
+    async fn probe_tls(&self) -> Result<(), Failure> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (host, port) = match &self.inner.source {
+            Source::Tls { host, port, .. } => (host.clone(), *port),
+            Source::Sentinel { tls: true, .. } => {
+                let client = self.sentinel_client().await?;
+                match client.get_connection_info().addr() {
+                    ConnectionAddr::TcpTls { host, port, .. } => (host.clone(), *port),
+                    _ => return Ok(()),
+                }
+            }
+            _ => return Ok(()),
+        };
+        let mut stream = self.tls_stream(&host, port).await?;
+        let refused = |e: std::io::Error| {
+            if e.get_ref().is_some_and(|i| i.is::<rustls::Error>()) {
+                Failure::Refused(io_error(&format!("TLS: {e} (check --redis-cert and --redis-key)")))
+            } else {
+                Failure::Unreachable(RedisError::from(e))
+            }
+        };
+        stream.write_all(b"*1\r\n$4\r\nPING\r\n").await.map_err(refused)?;
+        stream.flush().await.map_err(refused)?;
+        let mut reply = [0u8; 64];
+        match tokio::time::timeout(self.inner.connect_timeout, stream.read(&mut reply)).await {
+            Ok(Ok(0)) => Err(Failure::Refused(io_error(
+                "Redis closed the connection after the TLS handshake (does it require a client certificate? --redis-cert, --redis-key)",
+            ))),
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => Err(refused(e)),
+            Err(_) => Err(Failure::Unreachable(io_error("no answer to PING over TLS"))),
+        }
+    }
+
+    /// Whether connections use TLS (what a startup check can find wrong).
+    pub fn uses_tls(&self) -> bool {
+        self.inner.tls.is_some()
+    }
+
+    /// An error text with the password file's content replaced, should anything quote it.
+    fn without_secrets(&self, text: String) -> String {
+        match self
+            .inner
+            .options
+            .password_file
+            .as_ref()
+            .and_then(|p| read_password(p).ok())
+        {
+            Some(pw) if !pw.is_empty() => text.replace(&pw, "***"),
+            _ => text,
+        }
+    }
+
+    /// Opens a new connection to the current primary.
+    async fn connect(&self) -> Result<MultiplexedConnection, Failure> {
+        let config = &self.inner.config;
         match &self.inner.source {
-            Source::Direct(c) => Ok(c.clone()),
-            Source::Sentinel(s) => s.lock().await.async_get_client().await,
+            Source::Direct(info) => {
+                let info = info
+                    .clone()
+                    .set_redis_settings(self.credentials(info.redis_settings())?);
+                let client = Client::open(info).map_err(Failure::Refused)?;
+                client
+                    .get_multiplexed_async_connection_with_config(config)
+                    .await
+                    .map_err(Failure::of)
+            }
+            Source::Tls { host, port, info } => self.connect_tls(host, *port, info).await,
+            Source::Sentinel { tls: false, .. } => {
+                let client = self.sentinel_client().await?;
+                client
+                    .get_multiplexed_async_connection_with_config(config)
+                    .await
+                    .map_err(Failure::of)
+            }
+            Source::Sentinel { tls: true, .. } => {
+                let client = self.sentinel_client().await?;
+                let info = client.get_connection_info();
+                match info.addr() {
+                    ConnectionAddr::TcpTls { host, port, .. } => {
+                        self.connect_tls(host, *port, info.redis_settings()).await
+                    }
+                    _ => Err(Failure::Unreachable(io_error("Sentinel named no TLS address"))),
+                }
+            }
+        }
+    }
+
+    async fn connect_tls(
+        &self,
+        host: &str,
+        port: u16,
+        info: &RedisConnectionInfo,
+    ) -> Result<MultiplexedConnection, Failure> {
+        let stream = self.tls_stream(host, port).await?;
+        let info = self.credentials(info)?;
+        let handshake = MultiplexedConnection::new_with_config(&info, stream, self.inner.config.clone());
+        let (conn, driver) = match tokio::time::timeout(self.inner.connect_timeout, handshake).await {
+            Ok(r) => r.map_err(Failure::of)?,
+            Err(_) => return Err(Failure::Unreachable(io_error("no answer to the connection handshake"))),
+        };
+        tokio::spawn(driver);
+        Ok(conn)
+    }
+
+    async fn tls_stream(
+        &self,
+        host: &str,
+        port: u16,
+    ) -> Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>, Failure> {
+        let Some(tls) = &self.inner.tls else {
+            return Err(Failure::Refused(io_error("no TLS configuration")));
+        };
+        tls.connect(host, port, self.inner.connect_timeout).await.map_err(|e| {
+            let refused = matches!(&e, ConnectError::Handshake { source, .. } if source.get_ref().is_some_and(|i| i.is::<rustls::Error>()));
+            let error = io_error(&e.to_string());
+            if refused {
+                Failure::Refused(error)
+            } else {
+                Failure::Unreachable(error)
+            }
+        })
+    }
+
+    /// The connection's credentials: the URL's, with `--redis-username` and the password
+    /// file (read now, so a rotated Secret is used by the next connection) over them.
+    fn credentials(&self, base: &RedisConnectionInfo) -> Result<RedisConnectionInfo, Failure> {
+        // No `CLIENT SETINFO` at connect: one command fewer for the ACL to allow.
+        let mut info = base.clone().set_skip_set_lib_name();
+        if let Some(user) = &self.inner.options.username {
+            info = info.set_username(user);
+        }
+        if let Some(path) = &self.inner.options.password_file {
+            let pw = read_password(path).map_err(|e| Failure::Refused(io_error(&e)))?;
+            info = info.set_password(pw);
+        }
+        Ok(info)
+    }
+
+    /// The client for the primary Sentinel names now (rebuilt first when the TLS files changed).
+    async fn sentinel_client(&self) -> Result<Client, Failure> {
+        let Source::Sentinel {
+            client,
+            spec,
+            tls,
+            stale,
+            ..
+        } = &self.inner.source
+        else {
+            return Err(Failure::Refused(io_error("not a Sentinel URL")));
+        };
+        let mut sentinel = client.lock().await;
+        if stale.swap(false, Ordering::AcqRel) {
+            match build_sentinel(spec, *tls, &self.inner.options, self.inner.tls.as_ref()) {
+                Ok(fresh) => *sentinel = fresh,
+                Err(error) => tracing::warn!(%error, "cannot rebuild the Sentinel client with the new TLS files"),
+            }
+        }
+        sentinel.async_get_client().await.map_err(Failure::of)
+    }
+
+    /// A pub/sub connection to the current primary (its own connection, same TLS and
+    /// credentials).
+    pub async fn pubsub(&self) -> Result<PubSub, RedisError> {
+        let (host, port, info) = match &self.inner.source {
+            Source::Direct(info) => {
+                let info = info
+                    .clone()
+                    .set_redis_settings(self.credentials(info.redis_settings()).map_err(Failure::into_error)?);
+                return Client::open(info)?.get_async_pubsub().await;
+            }
+            Source::Tls { host, port, info } => (host.clone(), *port, info.clone()),
+            Source::Sentinel { tls, .. } => {
+                let client = self.sentinel_client().await.map_err(Failure::into_error)?;
+                if !*tls {
+                    return client.get_async_pubsub().await;
+                }
+                match client.get_connection_info().addr() {
+                    ConnectionAddr::TcpTls { host, port, .. } => (
+                        host.clone(),
+                        *port,
+                        client.get_connection_info().redis_settings().clone(),
+                    ),
+                    _ => return Err(io_error("Sentinel named no TLS address")),
+                }
+            }
+        };
+        let stream = self.tls_stream(&host, port).await.map_err(Failure::into_error)?;
+        let info = self.credentials(&info).map_err(Failure::into_error)?;
+        PubSub::new(&info, stream).await
+    }
+
+    /// Looks at the TLS files at most once a second; when they changed, the next connection
+    /// is made with the new ones (the current one is let go: commands in flight on it finish).
+    fn reload_if_due(&self) {
+        let Some(tls) = &self.inner.tls else { return };
+        let now = self.inner.progress.now_us();
+        let last = self.inner.reload_checked_us.load(Ordering::Acquire);
+        if now.saturating_sub(last) < RELOAD_CHECK_EVERY.as_micros() as u64
+            || self
+                .inner
+                .reload_checked_us
+                .compare_exchange(last, now, Ordering::AcqRel, Ordering::Acquire)
+                .is_err()
+        {
+            return;
+        }
+        match tls.reload_if_changed() {
+            Ok(false) => {}
+            Ok(true) => {
+                tracing::info!(
+                    redis = self.display(),
+                    "Redis TLS files changed: new connections use them"
+                );
+                if let Source::Sentinel { stale, .. } = &self.inner.source {
+                    stale.store(true, Ordering::Release);
+                }
+                if let Ok(mut current) = self.inner.current.write() {
+                    *current = None;
+                }
+            }
+            Err(error) => {
+                tracing::warn!(%error, "Redis TLS files changed but cannot be used: keeping the previous ones")
+            }
         }
     }
 
@@ -192,6 +554,109 @@ impl RedisConn {
         }
         result
     }
+}
+
+impl RedisConn {
+    /// Like [`RedisConn::run`], but a command lost with its connection (the connection was cut:
+    /// reset, broken pipe) is sent once more on a new connection. Only for commands that are
+    /// safe to apply twice, such as a release compared against its token. Returns the result
+    /// and whether it was sent again (then a "not held" answer may mean the first attempt ran).
+    pub async fn run_resent<T, F, Fut>(&self, f: F) -> Result<(T, bool), RedisError>
+    where
+        F: Fn(MultiplexedConnection) -> Fut,
+        Fut: std::future::Future<Output = Result<T, RedisError>>,
+    {
+        match self.run(&f).await {
+            Err(e) if needs_reconnect(&e) => {
+                tracing::debug!(error = %e, "Redis connection lost under a command: sending it again on a new one");
+                self.run(&f).await.map(|t| (t, true))
+            }
+            other => other.map(|t| (t, false)),
+        }
+    }
+}
+
+fn io_error(text: &str) -> RedisError {
+    RedisError::from(std::io::Error::other(text.to_owned()))
+}
+
+/// The password in a file (a mounted Secret), without its trailing newline. The error names
+/// the file, never its content.
+fn read_password(path: &std::path::Path) -> Result<String, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read --redis-password-file {}: {}", path.display(), e.kind()))?;
+    let pw = text.trim_end_matches(['\n', '\r']).to_owned();
+    if pw.is_empty() {
+        return Err(format!("--redis-password-file {} is empty", path.display()));
+    }
+    Ok(pw)
+}
+
+/// A Sentinel client for `spec`: plaintext, or TLS to the Sentinels and the primary with the
+/// same files.
+fn build_sentinel(
+    spec: &SentinelSpec,
+    tls: bool,
+    options: &ConnOptions,
+    files: Option<&Tls>,
+) -> Result<SentinelClient, ConnError> {
+    let invalid = |e: RedisError| ConnError::Setting(format!("Sentinel: {e}"));
+    let password = match &options.password_file {
+        Some(path) => Some(read_password(path).map_err(ConnError::Setting)?),
+        None => spec.password.clone(),
+    };
+    let username = options.username.clone().or_else(|| spec.username.clone());
+    if !tls {
+        let mut info = RedisConnectionInfo::default().set_db(spec.db);
+        if let Some(user) = &username {
+            info = info.set_username(user);
+        }
+        if let Some(pass) = &password {
+            info = info.set_password(pass);
+        }
+        let primary = SentinelNodeConnectionInfo::default().set_redis_connection_info(info);
+        return SentinelClient::build(
+            spec.node_urls(),
+            spec.primary.clone(),
+            Some(primary),
+            SentinelServerType::Master,
+        )
+        .map_err(invalid);
+    }
+    let nodes = spec.hosts.iter().map(|(host, port)| ConnectionAddr::TcpTls {
+        host: host.clone(),
+        port: *port,
+        insecure: false,
+        tls_params: None,
+    });
+    let mut builder = SentinelClientBuilder::new(nodes, spec.primary.clone(), SentinelServerType::Master)
+        .map_err(invalid)?
+        .set_client_to_sentinel_tls_mode(TlsMode::Secure)
+        .set_client_to_redis_tls_mode(TlsMode::Secure)
+        .set_client_to_redis_db(spec.db);
+    if let Some(user) = &username {
+        builder = builder.set_client_to_redis_username(user);
+    }
+    if let Some(pass) = &password {
+        builder = builder.set_client_to_redis_password(pass);
+    }
+    if let Some(user) = &spec.sentinel_username {
+        builder = builder.set_client_to_sentinel_username(user);
+    }
+    if let Some(pass) = &spec.sentinel_password {
+        builder = builder.set_client_to_sentinel_password(pass);
+    }
+    if let Some(certs) = files
+        .map(Tls::certificates)
+        .transpose()
+        .map_err(|e| ConnError::Setting(e.to_string()))?
+        .flatten()
+    {
+        builder = builder
+            .set_client_to_sentinel_certificates(certs.clone())
+            .set_client_to_redis_certificates(certs);
+    }
+    builder.build().map_err(invalid)
 }
 
 // === impl Progress ===
@@ -279,139 +744,6 @@ fn needs_reconnect(e: &RedisError) -> bool {
         || e.to_string().contains("READONLY")
 }
 
-/// A parsed `redis+sentinel://` URL (after the scheme).
-#[derive(Debug, PartialEq, Eq)]
-struct SentinelSpec {
-    /// `redis://[sentinel credentials@]host:port` for each Sentinel.
-    nodes: Vec<String>,
-    primary: String,
-    username: Option<String>,
-    password: Option<String>,
-    db: i64,
-}
-
-impl SentinelSpec {
-    fn parse(rest: &str) -> Result<Self, &'static str> {
-        let (rest, query) = match rest.split_once('?') {
-            Some((r, q)) => (r, Some(q)),
-            None => (rest, None),
-        };
-        let (authority, path) = rest.split_once('/').ok_or("missing /<primary-name>")?;
-        let (userinfo, hosts) = match authority.rsplit_once('@') {
-            Some((u, h)) => (Some(u), h),
-            None => (None, authority),
-        };
-        let (username, password) = match userinfo {
-            None => (None, None),
-            Some(u) => match u.split_once(':') {
-                Some((user, pass)) => (Some(user.to_owned()).filter(|u| !u.is_empty()), Some(pass.to_owned())),
-                None => (Some(u.to_owned()).filter(|u| !u.is_empty()), None),
-            },
-        };
-        let mut parts = path.split('/');
-        let primary = parts
-            .next()
-            .filter(|n| !n.is_empty())
-            .ok_or("missing primary name")?
-            .to_owned();
-        let db = match parts.next().filter(|d| !d.is_empty()) {
-            None => 0,
-            Some(d) => d
-                .parse::<i64>()
-                .map_err(|_| "the database after the primary name must be a number")?,
-        };
-        if parts.next().is_some() {
-            return Err("unexpected path after /<primary-name>/<db>");
-        }
-        let (mut s_user, mut s_pass) = (None, None);
-        for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
-            match pair.split_once('=') {
-                Some(("sentinel_username", v)) => s_user = Some(v),
-                Some(("sentinel_password", v)) => s_pass = Some(v),
-                _ => return Err("unknown query parameter (expected sentinel_username, sentinel_password)"),
-            }
-        }
-        let sentinel_auth = match (s_user, s_pass) {
-            (None, None) => String::new(),
-            (user, pass) => format!("{}:{}@", user.unwrap_or(""), pass.unwrap_or("")),
-        };
-        let nodes: Vec<String> = hosts
-            .split(',')
-            .filter(|h| !h.is_empty())
-            .map(|h| format!("redis://{sentinel_auth}{h}"))
-            .collect();
-        if nodes.is_empty() {
-            return Err("no sentinel address");
-        }
-        Ok(Self {
-            nodes,
-            primary,
-            username,
-            password,
-            db,
-        })
-    }
-
-    /// How to connect to the primary the Sentinels name: its credentials and database.
-    fn primary_connection(&self) -> SentinelNodeConnectionInfo {
-        let mut info = RedisConnectionInfo::default().set_db(self.db);
-        if let Some(user) = &self.username {
-            info = info.set_username(user);
-        }
-        if let Some(pass) = &self.password {
-            info = info.set_password(pass);
-        }
-        SentinelNodeConnectionInfo::default().set_redis_connection_info(info)
-    }
-}
-
-/// The secrets in a URL: its credentials (`user:pass`, and the password alone) and any
-/// `*password=` query value.
-fn secrets_of(url: &str) -> Vec<&str> {
-    let (base, query) = url.split_once('?').unwrap_or((url, ""));
-    let mut found = Vec::new();
-    if let (Some(s), Some(at)) = (base.find("://"), base.rfind('@')) {
-        if at > s + 3 {
-            let userinfo = &base[s + 3..at];
-            found.push(userinfo);
-            if let Some((_, pass)) = userinfo.split_once(':') {
-                found.push(pass);
-            }
-        }
-    }
-    for pair in query.split('&') {
-        if let Some((k, v)) = pair.split_once('=') {
-            if k.contains("password") {
-                found.push(v);
-            }
-        }
-    }
-    found
-}
-
-fn redact(url: &str) -> String {
-    let (url, query) = match url.split_once('?') {
-        Some((u, q)) => (u, Some(q)),
-        None => (url, None),
-    };
-    let mut shown = match (url.find("://"), url.rfind('@')) {
-        (Some(s), Some(at)) if at > s => format!("{}://***@{}", &url[..s], &url[at + 1..]),
-        _ => url.to_owned(),
-    };
-    if let Some(q) = query {
-        let pairs: Vec<String> = q
-            .split('&')
-            .map(|p| match p.split_once('=') {
-                Some((k, _)) if k.contains("password") => format!("{k}=***"),
-                _ => p.to_owned(),
-            })
-            .collect();
-        shown.push('?');
-        shown.push_str(&pairs.join("&"));
-    }
-    shown
-}
-
 /// One key to write (a record stored with a lock's release, or on its own): key, value, and how long it lives. With `expect`, the record is
 /// changed only while it still holds that value (compare-and-set); an empty `value` deletes it.
 #[derive(Clone, Debug)]
@@ -427,7 +759,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn urls_are_checked_and_redacted() {
+    fn urls_are_checked() {
         assert!(RedisConn::open("redis://127.0.0.1:6379", DEFAULT_RESPONSE_TIMEOUT).is_ok());
         assert!(RedisConn::open(
             "redis+sentinel://127.0.0.1:26379,127.0.0.1:26380/primary",
@@ -436,11 +768,25 @@ mod tests {
         .is_ok());
         assert!(RedisConn::open("redis+sentinel://127.0.0.1:26379", DEFAULT_RESPONSE_TIMEOUT).is_err());
         assert!(RedisConn::open("http://x", DEFAULT_RESPONSE_TIMEOUT).is_err());
-        assert_eq!(redact("redis://user:secret@h:1/0"), "redis://***@h:1/0");
-        assert_eq!(
-            redact("redis+sentinel://:pw@h:1/p/2?sentinel_password=spw"),
-            "redis+sentinel://***@h:1/p/2?sentinel_password=***"
-        );
+    }
+
+    #[test]
+    fn tls_files_need_a_tls_url() {
+        let options = ConnOptions {
+            tls: TlsFiles {
+                ca: Some("/nonexistent/ca.crt".into()),
+                ..TlsFiles::default()
+            },
+            ..ConnOptions::default()
+        };
+        let e = RedisConn::open_with("redis://127.0.0.1:6379", DEFAULT_RESPONSE_TIMEOUT, &options)
+            .err()
+            .expect("refused");
+        assert!(e.to_string().contains("rediss://"), "{e}");
+        let e = RedisConn::open_with("rediss://127.0.0.1:6379", DEFAULT_RESPONSE_TIMEOUT, &options)
+            .err()
+            .expect("refused");
+        assert!(e.to_string().contains("/nonexistent/ca.crt"), "{e}");
     }
 
     #[test]
@@ -453,24 +799,5 @@ mod tests {
             operation_of::<F>()
         }
         assert_eq!(try_acquire(), "try_acquire");
-    }
-
-    #[test]
-    fn sentinel_urls_give_the_primary_its_credentials_and_db_and_the_sentinels_theirs() {
-        let spec = SentinelSpec::parse("app:pw@h1:1,h2:2/main/3?sentinel_password=spw").expect("parses");
-        assert_eq!(spec.nodes, vec!["redis://:spw@h1:1", "redis://:spw@h2:2"]);
-        assert_eq!(spec.primary, "main");
-        assert_eq!(
-            (spec.username.as_deref(), spec.password.as_deref()),
-            (Some("app"), Some("pw"))
-        );
-        assert_eq!(spec.db, 3);
-        let plain = SentinelSpec::parse("h1:1/main").expect("parses");
-        assert_eq!(
-            (plain.nodes, plain.password, plain.db),
-            (vec!["redis://h1:1".to_owned()], None, 0)
-        );
-        assert!(SentinelSpec::parse("h1:1/main/x").is_err());
-        assert!(SentinelSpec::parse("h1:1/main?other=1").is_err());
     }
 }

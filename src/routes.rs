@@ -19,9 +19,30 @@
 //! mode = "merge"
 //! kind = "append"                   # append | patch | put | compact
 //! document = "/api/docs/{session}"  # where the document is read and written back
+//!
+//! [store]                           # the store's protocol (see `dialect`)
+//! dialect = "s3"                    # http (default) | s3 | couchdb
+//!
+//! [[route]]                         # literal text around placeholders; {names} other than
+//! method = "PUT"                    # {session} match their part of one segment
+//! path = "/{bucket}/sessions/{session}.json"
+//! mode = "merge"
+//! kind = "put"
+//! turn = { body = "/turn", optional = true }   # a write without a turn: no stale check
+//!
+//! [[route]]                         # one object per message, created once
+//! method = "PUT"
+//! path = "/{bucket}/session_{session}/agents/agent_{agent}/messages/message_{n}.json"
+//! mode = "serialize"
+//! turn = { header = "X-Session-Turn", optional = true }
+//! once = ["/message_id", "/created_at"]   # a rewrite of a stored object must keep these
+//! session_scope = ["bucket"]        # placeholders keying the session (default: all)
 //! ```
 
+pub mod dialect;
 mod normalize;
+
+pub use self::dialect::{AnswerForm, Dialect, DialectName, VersionAt};
 
 use http::Method;
 use serde::Deserialize;
@@ -60,10 +81,65 @@ pub struct Route {
     pub method: Method,
     pub path: Template,
     pub turn: TurnSource,
+    /// A write may carry no turn: it is then serialized and merged, with no stale-turn check.
+    pub turn_optional: bool,
     pub mode: Mode,
+    /// The protocol of the store behind this route.
+    pub dialect: &'static Dialect,
+    /// The body must be declared JSON (the canonical API); a store's own route also takes a
+    /// JSON body sent as `application/octet-stream`, `binary/octet-stream` or untyped, as
+    /// object-store SDKs send it.
+    pub strict_content_type: bool,
+    /// `serialize` routes of objects created once (one object per message): JSON pointers
+    /// whose values a rewrite of a stored object must keep; any other write to a stored
+    /// object is refused as a stale turn (see `proxy::pipeline::once`).
+    pub once: Option<Vec<String>>,
+    /// The placeholders that qualify the session's records (all of the path's by default):
+    /// the objects of one session that differ in the others share its lock.
+    pub session_scope: Option<Vec<String>>,
 }
 
-/// A path with one `{session}` segment, held normalized (see [`normalize`]).
+/// What a matched path holds: the session, and the values of the route's other `{names}`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Captures {
+    pub session: String,
+    pub params: Vec<(String, String)>,
+}
+
+impl Captures {
+    /// The id turnlock keys the session's records with: the session itself when the route
+    /// has no other placeholder, else the session qualified by a digest of their values, so
+    /// `/{bucket}/…/{session}` in two buckets are two sessions.
+    pub fn session_key(&self) -> String {
+        self.session_key_within(None)
+    }
+
+    /// [`Captures::session_key`] qualified by the placeholders of `scope` only (all when
+    /// `None`): with an empty scope, the session itself.
+    pub fn session_key_within(&self, scope: Option<&[String]>) -> String {
+        let params: Vec<&(String, String)> = self
+            .params
+            .iter()
+            .filter(|(name, _)| scope.map_or(true, |s| s.iter().any(|n| n == name)))
+            .collect();
+        if params.is_empty() {
+            return self.session.clone();
+        }
+        use sha2::Digest;
+        let mut h = sha2::Sha256::new();
+        for (name, value) in params {
+            h.update(name.as_bytes());
+            h.update([0]);
+            h.update(value.as_bytes());
+            h.update([0]);
+        }
+        let digest: String = h.finalize()[..6].iter().map(|b| format!("{b:02x}")).collect();
+        format!("{}.{digest}", self.session)
+    }
+}
+
+/// A path with one `{session}` (alone in its segment or with literal text around it, as in
+/// `{session}.json`) and any other `{name}` segments, held normalized (see [`normalize`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Template {
     segments: Vec<Segment>,
@@ -74,7 +150,18 @@ pub struct Template {
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Segment {
     Literal(String),
-    Session,
+    /// `{session}`, with literal text before and after it in its segment.
+    Session {
+        prefix: String,
+        suffix: String,
+    },
+    /// Another `{name}`, with literal text before and after it in its segment: its value
+    /// captured.
+    Param {
+        name: String,
+        prefix: String,
+        suffix: String,
+    },
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -122,16 +209,43 @@ impl Template {
         let mut segments = Vec::new();
         for part in body.split('/') {
             let seg = normalize::decode_unreserved(part);
-            if seg == "{session}" {
-                segments.push(Segment::Session);
-            } else if seg.contains('{') || seg.contains('}') {
-                return Err(format!(
-                    "path {raw:?}: unknown placeholder in {part:?} (the only placeholder is {{session}}, a whole segment)"
-                ));
-            } else if ["%2F", "%5C", ";"].iter().any(|c| seg.to_ascii_uppercase().contains(c)) {
+            if ["%2F", "%5C", ";"].iter().any(|c| seg.to_ascii_uppercase().contains(c)) {
                 return Err(format!(
                     "path {raw:?}: {part:?} holds an encoded '/' or '\\' or a ';', which stores read as a separator or a parameter"
                 ));
+            }
+            if let Some((prefix, rest)) = seg.split_once('{') {
+                let Some((name, suffix)) = rest.split_once('}') else {
+                    return Err(format!("path {raw:?}: {part:?} opens a placeholder it does not close"));
+                };
+                if [prefix, suffix].iter().any(|t| t.contains('{') || t.contains('}')) {
+                    return Err(format!(
+                        "path {raw:?}: {part:?} holds another placeholder beside {{{name}}} (one placeholder per segment)"
+                    ));
+                }
+                if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+                    return Err(format!(
+                        "path {raw:?}: {part:?} is not a placeholder: a name is letters, digits and '_'"
+                    ));
+                }
+                let (prefix, suffix) = (prefix.to_owned(), suffix.to_owned());
+                if name == "session" {
+                    segments.push(Segment::Session { prefix, suffix });
+                } else {
+                    if segments
+                        .iter()
+                        .any(|s| matches!(s, Segment::Param { name: n, .. } if n == name))
+                    {
+                        return Err(format!("path {raw:?}: {{{name}}} appears twice"));
+                    }
+                    segments.push(Segment::Param {
+                        name: name.to_owned(),
+                        prefix,
+                        suffix,
+                    });
+                }
+            } else if seg.contains('}') {
+                return Err(format!("path {raw:?}: {part:?} closes a placeholder it does not open"));
             } else if seg.is_empty() || seg == "." || seg == ".." {
                 return Err(format!(
                     "path {raw:?} holds an empty or dot segment, which stores normalize away"
@@ -140,7 +254,7 @@ impl Template {
                 segments.push(Segment::Literal(seg));
             }
         }
-        if segments.iter().filter(|s| **s == Segment::Session).count() != 1 {
+        if segments.iter().filter(|s| matches!(s, Segment::Session { .. })).count() != 1 {
             return Err(format!("path {raw:?} must contain exactly one {{session}} segment"));
         }
         Ok(Self {
@@ -149,40 +263,78 @@ impl Template {
         })
     }
 
-    /// The session segment, when these normalized segments are this template's.
-    fn matches(&self, parts: &[String]) -> Option<String> {
+    /// The session and other placeholders, when these normalized segments are this template's.
+    fn matches(&self, parts: &[String]) -> Option<Captures> {
         self.matches_with(parts, |lit, part| lit == part)
     }
 
-    /// Like [`Template::matches`], with literal segments compared regardless of ASCII case,
-    /// as case-insensitive routers (Express, ASP.NET Core, …) compare them.
-    fn matches_ignoring_case(&self, parts: &[String]) -> Option<String> {
+    /// Like [`Template::matches`], with literal text compared regardless of ASCII case,
+    /// as case-insensitive routers (Express, ASP.NET Core, …) compare it.
+    fn matches_ignoring_case(&self, parts: &[String]) -> Option<Captures> {
         self.matches_with(parts, |lit, part| lit.eq_ignore_ascii_case(part))
     }
 
-    fn matches_with(&self, parts: &[String], same: impl Fn(&str, &str) -> bool) -> Option<String> {
+    fn matches_with(&self, parts: &[String], same: impl Fn(&str, &str) -> bool) -> Option<Captures> {
         if parts.len() != self.segments.len() {
             return None;
         }
         let mut session = None;
+        let mut params = Vec::new();
         for (seg, part) in self.segments.iter().zip(parts) {
             match seg {
                 Segment::Literal(lit) if same(lit, part) => {}
                 Segment::Literal(_) => return None,
-                Segment::Session => session = Some(part.clone()),
+                Segment::Session { prefix, suffix } => {
+                    session = Some(between(part, prefix, suffix, &same)?.to_owned());
+                }
+                Segment::Param { name, prefix, suffix } => {
+                    params.push((name.clone(), between(part, prefix, suffix, &same)?.to_owned()));
+                }
             }
         }
-        session
+        session.map(|session| Captures { session, params })
     }
 
-    /// The path for one session.
+    /// The names of the placeholders other than `{session}`.
+    fn params(&self) -> impl Iterator<Item = &str> {
+        self.segments.iter().filter_map(|s| match s {
+            Segment::Param { name, .. } => Some(name.as_str()),
+            _ => None,
+        })
+    }
+
+    /// Whether this template has a placeholder other than `{session}`.
+    pub fn has_params(&self) -> bool {
+        self.params().next().is_some()
+    }
+
+    /// The path for one session (a template with no other placeholder).
     pub fn render(&self, session: &str) -> String {
+        self.render_with(&Captures {
+            session: session.to_owned(),
+            params: Vec::new(),
+        })
+    }
+
+    /// The path for what a request matched: its session, and its other placeholders' values.
+    pub fn render_with(&self, captures: &Captures) -> String {
         let mut out = String::new();
         for seg in &self.segments {
             out.push('/');
             match seg {
                 Segment::Literal(lit) => out.push_str(lit),
-                Segment::Session => out.push_str(session),
+                Segment::Session { prefix, suffix } => {
+                    out.push_str(prefix);
+                    out.push_str(&captures.session);
+                    out.push_str(suffix);
+                }
+                Segment::Param { name, prefix, suffix } => {
+                    out.push_str(prefix);
+                    if let Some((_, v)) = captures.params.iter().find(|(n, _)| n == name) {
+                        out.push_str(v);
+                    }
+                    out.push_str(suffix);
+                }
             }
         }
         if self.trailing_slash {
@@ -197,6 +349,20 @@ impl Template {
     }
 }
 
+/// The non-empty text of `part` between `prefix` and `suffix`, compared with `same`.
+fn between<'a>(part: &'a str, prefix: &str, suffix: &str, same: impl Fn(&str, &str) -> bool) -> Option<&'a str> {
+    let (p, s) = (prefix.len(), suffix.len());
+    if part.len() <= p + s {
+        return None;
+    }
+    let head = part.get(..p)?;
+    let tail = part.get(part.len() - s..)?;
+    if !same(prefix, head) || !same(suffix, tail) {
+        return None;
+    }
+    part.get(p..part.len() - s)
+}
+
 /// `pchar` and `/` of RFC 3986, plus the braces of the placeholder.
 fn is_path_char(c: char) -> bool {
     c.is_ascii_alphanumeric() || "-._~!$&'()*+,;=:@%/{}".contains(c)
@@ -206,6 +372,7 @@ fn is_path_char(c: char) -> bool {
 #[derive(Clone, Debug)]
 pub struct Routes {
     routes: Vec<Route>,
+    signing: Option<Signing>,
 }
 
 #[derive(Deserialize)]
@@ -213,7 +380,34 @@ pub struct Routes {
 struct File {
     session_prefix: Option<String>,
     #[serde(default)]
+    store: FileStore,
+    #[serde(default)]
     route: Vec<FileRoute>,
+}
+
+/// `[store]`: the protocol of the store behind the file's routes.
+#[derive(Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileStore {
+    #[serde(default)]
+    dialect: DialectName,
+    sigv4: Option<Signing>,
+}
+
+/// `[store] sigv4 = { region = "us-east-1" }`: turnlock signs its own requests to the store
+/// (its read and its write-back) with AWS Signature Version 4.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Signing {
+    pub region: String,
+    #[serde(default = "Signing::s3")]
+    pub service: String,
+}
+
+impl Signing {
+    fn s3() -> String {
+        "s3".into()
+    }
 }
 
 /// One `[[route]]` of the routes file; `mode` says which kind, each with its own fields.
@@ -231,6 +425,9 @@ struct SerializeRoute {
     method: String,
     path: String,
     turn: FileTurn,
+    /// Objects created once: the JSON pointers a rewrite of a stored object must keep.
+    once: Option<Vec<String>>,
+    session_scope: Option<Vec<String>>,
     /// Fields of mode "merge", read only to refuse them with a message that says so.
     kind: Option<toml::Value>,
     document: Option<toml::Value>,
@@ -246,6 +443,7 @@ struct MergeRoute {
     /// Required; optional here only to refuse its absence with the list of kinds.
     kind: Option<Kind>,
     document: Option<String>,
+    session_scope: Option<Vec<String>>,
 }
 
 #[derive(Deserialize)]
@@ -253,6 +451,9 @@ struct MergeRoute {
 struct FileTurn {
     body: Option<String>,
     header: Option<String>,
+    /// A write without a turn is served (serialized and merged, no stale-turn check).
+    #[serde(default)]
+    optional: bool,
 }
 
 impl Routes {
@@ -281,12 +482,18 @@ impl Routes {
             document: doc.clone(),
         };
         Ok(Self {
+            signing: None,
             routes: vec![
                 Route {
                     name: "append",
                     method: Method::POST,
                     path: Template::parse(&format!("{prefix}/{{session}}/messages"))?,
                     turn: body(),
+                    turn_optional: false,
+                    dialect: &dialect::HTTP,
+                    strict_content_type: true,
+                    once: None,
+                    session_scope: None,
                     mode: merge(Kind::Append),
                 },
                 Route {
@@ -294,6 +501,11 @@ impl Routes {
                     method: Method::POST,
                     path: Template::parse(&format!("{prefix}/{{session}}/compact"))?,
                     turn: body(),
+                    turn_optional: false,
+                    dialect: &dialect::HTTP,
+                    strict_content_type: true,
+                    once: None,
+                    session_scope: None,
                     mode: merge(Kind::Compact),
                 },
                 Route {
@@ -301,6 +513,11 @@ impl Routes {
                     method: Method::PATCH,
                     path: doc.clone(),
                     turn: body(),
+                    turn_optional: false,
+                    dialect: &dialect::HTTP,
+                    strict_content_type: true,
+                    once: None,
+                    session_scope: None,
                     mode: merge(Kind::Patch),
                 },
                 Route {
@@ -308,6 +525,11 @@ impl Routes {
                     method: Method::PUT,
                     path: doc.clone(),
                     turn: body(),
+                    turn_optional: false,
+                    dialect: &dialect::HTTP,
+                    strict_content_type: true,
+                    once: None,
+                    session_scope: None,
                     mode: merge(Kind::Put),
                 },
                 Route {
@@ -315,6 +537,11 @@ impl Routes {
                     method: Method::DELETE,
                     path: doc.clone(),
                     turn: body(),
+                    turn_optional: false,
+                    dialect: &dialect::HTTP,
+                    strict_content_type: true,
+                    once: None,
+                    session_scope: None,
                     mode: merge(Kind::Delete),
                 },
             ],
@@ -336,17 +563,19 @@ impl Routes {
     pub fn from_toml(text: &str, default_prefix: &str) -> Result<Self, String> {
         let file: File = toml::from_str(text).map_err(|e| e.to_string())?;
         let prefix = file.session_prefix.as_deref().unwrap_or(default_prefix);
+        let dialect = file.store.dialect.dialect();
         let mut routes: Vec<Route> = Vec::new();
         for (i, r) in file.route.into_iter().enumerate() {
             let at = |msg: String| format!("route #{}: {msg}", i + 1);
-            let (method, path, turn) = match &r {
-                FileRoute::Serialize(r) => (&r.method, &r.path, &r.turn),
-                FileRoute::Merge(r) => (&r.method, &r.path, &r.turn),
+            let (method, path, turn, session_scope) = match &r {
+                FileRoute::Serialize(r) => (&r.method, &r.path, &r.turn, r.session_scope.clone()),
+                FileRoute::Merge(r) => (&r.method, &r.path, &r.turn, r.session_scope.clone()),
             };
             let raw_path = path.clone();
             let method = Method::from_bytes(method.to_ascii_uppercase().as_bytes())
                 .map_err(|_| at(format!("invalid method {method:?}")))?;
             let path = Template::parse(path).map_err(at)?;
+            let turn_optional = turn.optional;
             let turn = match (&turn.body, &turn.header) {
                 (Some(p), None) if p.starts_with('/') => TurnSource::Body(p.clone()),
                 (Some(p), None) => {
@@ -363,8 +592,24 @@ impl Routes {
                     ))
                 }
             };
+            if let Some(name) = session_scope
+                .iter()
+                .flatten()
+                .find(|n| !path.params().any(|p| p == n.as_str()))
+            {
+                return Err(at(format!(
+                    "session_scope names {name:?}, which is not a placeholder of the route's path"
+                )));
+            }
+            let mut once = None;
             let mode = match r {
                 FileRoute::Serialize(r) => {
+                    if let Some(p) = r.once.iter().flatten().find(|p| !p.starts_with('/')) {
+                        return Err(at(format!(
+                            "once holds {p:?}, which is not a JSON pointer: it must start with '/', e.g. \"/created_at\""
+                        )));
+                    }
+                    once = r.once;
                     if r.kind.is_some() || r.document.is_some() {
                         return Err(at(
                             "mode \"serialize\" forwards the request unchanged: `kind` and `document` belong to mode \"merge\""
@@ -381,6 +626,11 @@ impl Routes {
                         Some(d) => Template::parse(&d).map_err(at)?,
                         None => path.clone(),
                     };
+                    if let Some(name) = document.params().find(|n| !path.params().any(|p| p == *n)) {
+                        return Err(at(format!(
+                            "document holds {{{name}}}, which the route's path does not: its value would be unknown"
+                        )));
+                    }
                     Mode::Merge { kind, document }
                 }
             };
@@ -399,11 +649,24 @@ impl Routes {
                 method,
                 path,
                 turn,
+                turn_optional,
                 mode,
+                dialect,
+                strict_content_type: false,
+                once,
+                session_scope,
             });
         }
         routes.extend(Self::canonical(prefix)?.routes);
-        Ok(Self { routes })
+        Ok(Self {
+            routes,
+            signing: file.store.sigv4,
+        })
+    }
+
+    /// How turnlock signs its own requests to the store, if it does.
+    pub fn signing(&self) -> Option<&Signing> {
+        self.signing.as_ref()
     }
 
     /// The one route (and session) that the readings of `path` match with `matches`; readings
@@ -413,9 +676,9 @@ impl Routes {
         method: &Method,
         path: &str,
         readings: &[Vec<String>],
-        matches: fn(&Template, &[String]) -> Option<String>,
-    ) -> Result<Option<(usize, String)>, AmbiguousPath> {
-        let mut found: Option<(usize, String)> = None;
+        matches: fn(&Template, &[String]) -> Option<Captures>,
+    ) -> Result<Option<(usize, Captures)>, AmbiguousPath> {
+        let mut found: Option<(usize, Captures)> = None;
         for reading in readings {
             let hit = self
                 .routes
@@ -438,7 +701,7 @@ impl Routes {
     /// The path is read every way a store could read it ([`normalize::readings`]): when any
     /// reading is a write, the request is that write; when readings are different writes, the
     /// path is refused as ambiguous.
-    pub fn find(&self, method: &Method, path: &str) -> Result<Option<(&Route, String)>, AmbiguousPath> {
+    pub fn find(&self, method: &Method, path: &str) -> Result<Option<(&Route, Captures)>, AmbiguousPath> {
         if !self.routes.iter().any(|r| r.method == *method) {
             return Ok(None);
         }
@@ -457,7 +720,10 @@ mod tests {
     use super::*;
 
     fn find<'a>(routes: &'a Routes, method: &Method, path: &str) -> Option<(&'a Route, String)> {
-        routes.find(method, path).expect("not ambiguous")
+        routes
+            .find(method, path)
+            .expect("not ambiguous")
+            .map(|(r, c)| (r, c.session))
     }
 
     #[test]
@@ -532,9 +798,29 @@ mod tests {
         for (toml, needle) in [
             (route("path='/x/{session}?a=1'\nmode='serialize'"), "query string"),
             (
-                route("path='/x/{session}/{thread}'\nmode='serialize'"),
-                "unknown placeholder",
+                route("path='/x/{session}/a{thread'\nmode='serialize'"),
+                "does not close",
             ),
+            (route("path='/x/{session}/a}b'\nmode='serialize'"), "does not open"),
+            (
+                route("path='/x/{session}/{a-b}'\nmode='serialize'"),
+                "a name is letters",
+            ),
+            (
+                route("path='/x/{session}/{thread}'\nmode='merge'\nkind='put'\ndocument='/y/{session}/{other}'"),
+                "{other}",
+            ),
+            (
+                route("path='/x/{session}'\nmode='serialize'\nonce=['created_at']"),
+                "not a JSON pointer",
+            ),
+            (
+                route("path='/x/{session}/{a}'\nmode='serialize'\nsession_scope=['b']"),
+                "not a placeholder",
+            ),
+            (route("path='/x/{a}/{session}/{a}'\nmode='serialize'"), "appears twice"),
+            (route("path='/x/{session}{b}'\nmode='serialize'"), "another placeholder"),
+            ("[store]\ndialect='ftp'".to_owned(), "unknown variant `ftp`"),
             (route("path='/x/{session}/é'\nmode='serialize'"), "non-ASCII"),
             (
                 route("path='/x/{session}'\nmode='serialize'\nkind='append'"),
@@ -612,6 +898,81 @@ mod tests {
             other => panic!("unexpected mode {other:?}"),
         }
         assert!(find(&routes, &Method::POST, "/ctx/s/messages").is_some());
+    }
+
+    #[test]
+    fn literal_text_around_the_session_and_other_placeholders_match_one_segment() {
+        let toml = r#"
+            [store]
+            dialect = "s3"
+            [[route]]
+            method = "PUT"
+            path = "/{bucket}/sessions/{session}.json"
+            mode = "merge"
+            kind = "put"
+            document = "/{bucket}/sessions/{session}.json"
+            turn = { body = "/turn", optional = true }
+        "#;
+        let routes = Routes::from_toml(toml, "/v1/sessions").unwrap();
+        let (r, c) = routes.find(&Method::PUT, "/b1/sessions/s-7.json").unwrap().unwrap();
+        assert_eq!(c.session, "s-7");
+        assert_eq!(c.params, vec![("bucket".to_owned(), "b1".to_owned())]);
+        assert!(r.turn_optional);
+        assert_eq!(r.dialect, &dialect::S3);
+        let Mode::Merge { document, .. } = &r.mode else {
+            panic!("not a merge route")
+        };
+        assert_eq!(document.render_with(&c), "/b1/sessions/s-7.json");
+        // The same session id in another bucket is another session.
+        let (_, other) = routes.find(&Method::PUT, "/b2/sessions/s-7.json").unwrap().unwrap();
+        assert_ne!(c.session_key(), other.session_key());
+        for path in [
+            "/b1/sessions/.json",
+            "/b1/sessions/s-7.txt",
+            "/b1/x/s-7.json",
+            "/sessions/s-7.json",
+        ] {
+            assert!(routes.find(&Method::PUT, path).unwrap().is_none(), "{path}");
+        }
+        // A case-insensitive router reads the suffix regardless of case too.
+        let (_, c) = routes.find(&Method::PUT, "/b1/Sessions/s-7.JSON").unwrap().unwrap();
+        assert_eq!(c.session, "s-7");
+        // Literal text may surround any placeholder.
+        let layout = "[[route]]\nmethod='PUT'\npath='/{bucket}/session_{session}/agents/agent_{agent}/agent.json'\nmode='merge'\nkind='put'\nturn={body='/turn',optional=true}";
+        let routes = Routes::from_toml(layout, "/v1/sessions").unwrap();
+        let (r, c) = routes
+            .find(&Method::PUT, "/b/session_s1/agents/agent_a9/agent.json")
+            .unwrap()
+            .unwrap();
+        assert_eq!(c.session, "s1");
+        assert_eq!(c.params[1], ("agent".to_owned(), "a9".to_owned()));
+        assert_eq!(r.path.render_with(&c), "/b/session_s1/agents/agent_a9/agent.json");
+        assert!(routes
+            .find(&Method::PUT, "/b/session_s1/agents/agent_/agent.json")
+            .unwrap()
+            .is_none());
+        // Without other placeholders the key is the session itself.
+        let plain = Captures {
+            session: "s1".into(),
+            params: vec![],
+        };
+        assert_eq!(plain.session_key(), "s1");
+    }
+
+    #[test]
+    fn a_session_scope_keys_every_object_of_a_session_alike() {
+        let layout = "[[route]]\nmethod='PUT'\npath='/{bucket}/session_{session}/agents/agent_{agent}/messages/message_{n}.json'\nmode='serialize'\nturn={header='X-Session-Turn',optional=true}\nonce=['/created_at']\nsession_scope=['bucket']";
+        let routes = Routes::from_toml(layout, "/v1/sessions").unwrap();
+        let key = |path: &str| {
+            let (r, c) = routes.find(&Method::PUT, path).unwrap().unwrap();
+            assert_eq!(r.once.as_deref(), Some(&["/created_at".to_owned()][..]));
+            assert!(r.turn_optional);
+            c.session_key_within(r.session_scope.as_deref())
+        };
+        let a = key("/b/session_s1/agents/agent_a/messages/message_1.json");
+        assert_eq!(a, key("/b/session_s1/agents/agent_z/messages/message_9.json"));
+        assert_ne!(a, key("/other/session_s1/agents/agent_a/messages/message_1.json"));
+        assert_ne!(a, key("/b/session_s2/agents/agent_a/messages/message_1.json"));
     }
 
     #[test]

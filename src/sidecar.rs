@@ -59,6 +59,8 @@ struct Assembled {
     factory: ProxyFactory,
     upstream: crate::upstream::Upstream,
     proxy: crate::proxy::Proxy,
+    /// The Redis connection, when there is one (checked once at start).
+    redis: Option<RedisConn>,
 }
 
 fn assemble(args: &ProxyArgs) -> Result<Assembled, StartError> {
@@ -70,18 +72,23 @@ fn assemble(args: &ProxyArgs) -> Result<Assembled, StartError> {
         Duration::from_millis(args.upstream_timeout_ms),
         Duration::from_secs(args.session_ttl_secs),
     );
+    let mut redis = None;
     let (locks, records) = match &args.redis {
         Some(url) => {
-            let conn = RedisConn::open(url, Duration::from_millis(args.redis_timeout_ms)).map_err(conn_error)?;
+            let options = args.redis_options();
+            let conn = RedisConn::open_with(url, Duration::from_millis(args.redis_timeout_ms), &options)
+                .map_err(conn_error)?;
             conn.count_errors(metrics.clone());
             tracing::info!(redis = conn.display(), "locks, fences and idempotency records in Redis");
             let mut locks = RedisLocks::new(conn.clone(), keys.clone(), settings, metrics.clone());
             if args.redis_wait_replicas > 0 {
                 let wait = Duration::from_millis(args.redis_wait_timeout_ms);
                 let wait_conn =
-                    RedisConn::open(url, Duration::from_millis(args.redis_timeout_ms) + wait).map_err(conn_error)?;
+                    RedisConn::open_with(url, Duration::from_millis(args.redis_timeout_ms) + wait, &options)
+                        .map_err(conn_error)?;
                 locks = locks.with_replica_wait(wait_conn, args.redis_wait_replicas, wait);
             }
+            redis = Some(conn.clone());
             (Locks::Redis(locks.into()), Records::Redis(conn))
         }
         None => {
@@ -125,6 +132,7 @@ fn assemble(args: &ProxyArgs) -> Result<Assembled, StartError> {
             body: args.max_body_bytes,
             document: args.max_document_bytes,
         },
+        upstream_ca: args.upstream_ca.clone(),
     };
     let upstream = factory.upstream(&args.upstream).map_err(ConfigError)?;
     let proxy = factory.proxy(upstream.clone());
@@ -135,6 +143,7 @@ fn assemble(args: &ProxyArgs) -> Result<Assembled, StartError> {
         factory,
         upstream,
         proxy,
+        redis,
     })
 }
 
@@ -149,6 +158,42 @@ where
     Ok(crate::proxy::stack(parts.metrics, parts.proxy))
 }
 
+/// In transparent mode, ip6tables' REDIRECT sends an intercepted IPv6 connection to `[::1]`
+/// (or the pod's own IPv6 address) on the proxy's port: an IPv4 `--listen` address gets a
+/// second listener on its IPv6 counterpart (`127.0.0.1` → `[::1]`, `0.0.0.0` → `[::]`), on the
+/// same port. `None` when `--listen` is IPv6 already or names another address, or when the
+/// network namespace has no IPv6 (nothing can be redirected there then).
+async fn bind_v6_counterpart(addr: SocketAddr) -> Result<Option<TcpListener>, StartError> {
+    let ip = match addr.ip() {
+        std::net::IpAddr::V4(v4) if v4.is_loopback() => std::net::Ipv6Addr::LOCALHOST,
+        std::net::IpAddr::V4(v4) if v4.is_unspecified() => std::net::Ipv6Addr::UNSPECIFIED,
+        _ => return Ok(None),
+    };
+    let v6 = SocketAddr::new(ip.into(), addr.port());
+    let socket = match tokio::net::TcpSocket::new_v6() {
+        Ok(s) => s,
+        Err(error) => {
+            tracing::info!(%error, "no IPv6 in this network namespace: intercepting IPv4 only");
+            return Ok(None);
+        }
+    };
+    let bound = socket2::SockRef::from(&socket)
+        .set_only_v6(true)
+        .and_then(|()| socket.set_reuseaddr(true))
+        .and_then(|()| socket.bind(v6))
+        .and_then(|()| socket.listen(1024));
+    match bound {
+        Ok(listener) => Ok(Some(listener)),
+        Err(error)
+            if !crate::transparent::namespace_has_ipv6() || error.kind() == std::io::ErrorKind::AddrNotAvailable =>
+        {
+            tracing::info!(%error, addr = %v6, "no IPv6 listener: intercepting IPv4 only");
+            Ok(None)
+        }
+        Err(error) => Err(StartError::bind(v6, error)),
+    }
+}
+
 pub async fn start(args: ProxyArgs) -> Result<Running, StartError> {
     let Assembled {
         metrics,
@@ -156,7 +201,11 @@ pub async fn start(args: ProxyArgs) -> Result<Running, StartError> {
         factory,
         upstream,
         proxy,
+        redis,
     } = assemble(&args)?;
+    if let Some(conn) = &redis {
+        check_redis(conn).await?;
+    }
     let listener = TcpListener::bind(args.listen)
         .await
         .map_err(|e| StartError::bind(args.listen, e))?;
@@ -166,6 +215,11 @@ pub async fn start(args: ProxyArgs) -> Result<Running, StartError> {
         source,
     })?;
     let addr = listener.local_addr().map_err(|e| ConfigError(e.to_string()))?;
+    let listener_v6 = if args.transparent {
+        bind_v6_counterpart(addr).await?
+    } else {
+        None
+    };
     let admin_addr = admin_listener.local_addr().map_err(|e| ConfigError(e.to_string()))?;
 
     let shutdown = CancellationToken::new();
@@ -196,16 +250,23 @@ pub async fn start(args: ProxyArgs) -> Result<Running, StartError> {
         let locks = locks.clone();
         let outcome = outcome.clone();
         tokio::spawn(async move {
-            let make = {
+            let make = || {
                 let destinations = destinations.clone();
+                let metrics = metrics.clone();
                 move |conn| crate::proxy::stack(metrics.clone(), destinations.for_connection(conn))
             };
-            let serving = crate::server::serve_with(listener, make, transparent, shutdown.clone(), grace);
+            let serving = crate::server::serve_with(listener, make(), transparent, shutdown.clone(), grace);
+            // Transparent mode: IPv6 connections redirected by the ip6tables rules arrive here.
+            let serving_v6 = async {
+                if let Some(l) = listener_v6 {
+                    crate::server::serve_with(l, make(), transparent, shutdown.clone(), grace).await
+                }
+            };
             let began = async {
                 shutdown.cancelled().await;
                 (Instant::now(), locks.release_failures())
             };
-            let ((), (began, failures_before)) = tokio::join!(serving, began);
+            let ((), (), (began, failures_before)) = tokio::join!(serving, serving_v6, began);
             let result = finish_shutdown(&destinations, &locks, began + grace, failures_before).await;
             if let Ok(mut o) = outcome.lock() {
                 *o = result;
@@ -232,11 +293,28 @@ pub async fn start(args: ProxyArgs) -> Result<Running, StartError> {
     })
 }
 
+/// Over TLS, one first connection: a failed certificate exchange (an untrusted certificate,
+/// a client certificate refused) stops the start with the reason; a Redis that is down or
+/// refuses the password lets the proxy start, with the reason in `/readyz`.
+async fn check_redis(conn: &RedisConn) -> Result<(), StartError> {
+    if !conn.uses_tls() {
+        return Ok(());
+    }
+    match conn.check_at_startup().await {
+        Ok(()) => Ok(()),
+        Err(e @ crate::redis_conn::StartupCheck::Refused { .. }) => Err(StartError::Backend(e.to_string())),
+        Err(error) => {
+            tracing::warn!(%error, "starting: /readyz reports Redis until it answers");
+            Ok(())
+        }
+    }
+}
+
 /// A Redis URL that does not parse is bad configuration; any other failure to set the
 /// connection up is the backend's.
 fn conn_error(e: ConnError) -> StartError {
     match e {
-        ConnError::InvalidUrl { .. } => StartError::Config(ConfigError(e.to_string())),
+        ConnError::InvalidUrl { .. } | ConnError::Setting(_) => StartError::Config(ConfigError(e.to_string())),
         ConnError::Redis(_) => StartError::Backend(e.to_string()),
     }
 }

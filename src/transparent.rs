@@ -54,6 +54,32 @@ pub struct InitIptablesArgs {
     /// The `iptables-restore` program to run.
     #[arg(long, env = "TURNLOCK_IPTABLES_RESTORE", default_value = "iptables-restore")]
     pub iptables_restore: String,
+    /// IPv6 rules too: `auto` installs them when the network namespace has IPv6 (and fails if
+    /// they cannot be installed there), `on` requires IPv6, `off` installs IPv4 rules only.
+    #[arg(long, env = "TURNLOCK_IPV6", value_enum, default_value_t = Ipv6Rules::Auto)]
+    pub ipv6: Ipv6Rules,
+    /// The `ip6tables` program (to remove an earlier jump to turnlock's chain).
+    #[arg(long, env = "TURNLOCK_IP6TABLES", default_value = "ip6tables")]
+    pub ip6tables: String,
+    /// The `ip6tables-restore` program to run.
+    #[arg(long, env = "TURNLOCK_IP6TABLES_RESTORE", default_value = "ip6tables-restore")]
+    pub ip6tables_restore: String,
+}
+
+/// Whether `init-iptables` installs the IPv6 rules (see [`InitIptablesArgs::ipv6`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Ipv6Rules {
+    Auto,
+    On,
+    Off,
+}
+
+/// Whether this network namespace has IPv6: the kernel has it and it is not disabled.
+pub fn namespace_has_ipv6() -> bool {
+    std::path::Path::new("/proc/net/if_inet6").exists()
+        && std::fs::read_to_string("/proc/sys/net/ipv6/conf/all/disable_ipv6")
+            .map(|v| v.trim() == "0")
+            .unwrap_or(false)
 }
 
 impl InitIptablesArgs {
@@ -96,51 +122,86 @@ pub fn nat_rules(args: &InitIptablesArgs) -> String {
     )
 }
 
-/// Installs the rules (or prints them with `--dry-run`).
+/// Installs the rules (or prints them with `--dry-run`): the IPv4 rules with `iptables`, and
+/// the same rules with `ip6tables` when [`InitIptablesArgs::ipv6`] says so. An IPv6 connection
+/// to the store would otherwise bypass the sidecar, so a namespace with IPv6 whose rules cannot
+/// be installed is a failure, not a warning.
 pub async fn run_init_iptables(args: InitIptablesArgs) -> Result<ExitCode, ConfigError> {
     args.validate()?;
     let rules = nat_rules(&args);
+    let ipv6 = match args.ipv6 {
+        Ipv6Rules::Off => false,
+        Ipv6Rules::On => {
+            if !namespace_has_ipv6() {
+                return Err(ConfigError(
+                    "--ipv6 on: this network namespace has no IPv6 (or it is disabled)".into(),
+                ));
+            }
+            true
+        }
+        Ipv6Rules::Auto => namespace_has_ipv6(),
+    };
     if args.dry_run {
         print!("{rules}");
+        if ipv6 {
+            print!("# ip6tables-restore --noflush\n{rules}");
+        }
         return Ok(ExitCode::SUCCESS);
     }
-    // A rerun (an init container restarted in the same network namespace) must not add a
-    // second jump; the chains themselves are emptied by the restore.
-    let _ = tokio::process::Command::new(&args.iptables)
-        .args(["-t", "nat", "-D", "OUTPUT", "-p", "tcp", "-j", OUTPUT_CHAIN])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .await;
-    let mut child = tokio::process::Command::new(&args.iptables_restore)
-        .arg("--noflush")
-        .stdin(Stdio::piped())
-        .spawn()
-        .map_err(|e| ConfigError(format!("cannot run {}: {e}", args.iptables_restore)))?;
-    if let Some(mut stdin) = child.stdin.take() {
-        stdin
-            .write_all(rules.as_bytes())
-            .await
-            .map_err(|e| ConfigError(format!("cannot write to {}: {e}", args.iptables_restore)))?;
-    }
-    let status = child
-        .wait()
-        .await
-        .map_err(|e| ConfigError(format!("{} failed: {e}", args.iptables_restore)))?;
-    if !status.success() {
-        eprintln!(
-            "turnlock: {} exited with {status}; rules were:\n{rules}",
-            args.iptables_restore
-        );
+    if !install(&args.iptables, &args.iptables_restore, &rules).await? {
         return Ok(ExitCode::FAILURE);
+    }
+    if ipv6 {
+        if !install(&args.ip6tables, &args.ip6tables_restore, &rules).await? {
+            return Ok(ExitCode::FAILURE);
+        }
+    } else {
+        tracing::info!(
+            ipv6 = ?args.ipv6,
+            "no IPv6 rules installed: IPv6 is off or absent in this network namespace"
+        );
     }
     tracing::info!(
         ports = ?args.store_ports,
         proxy_port = args.proxy_port,
         proxy_uid = args.proxy_uid,
+        ipv6,
         "outbound store traffic now goes through the sidecar"
     );
     Ok(ExitCode::SUCCESS)
+}
+
+/// Applies `rules` with one family's programs (`iptables`/`iptables-restore` or their IPv6
+/// counterparts); false when the restore program refused them.
+async fn install(iptables: &str, restore: &str, rules: &str) -> Result<bool, ConfigError> {
+    // A rerun (an init container restarted in the same network namespace) must not add a
+    // second jump; the chains themselves are emptied by the restore.
+    let _ = tokio::process::Command::new(iptables)
+        .args(["-t", "nat", "-D", "OUTPUT", "-p", "tcp", "-j", OUTPUT_CHAIN])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .await;
+    let mut child = tokio::process::Command::new(restore)
+        .arg("--noflush")
+        .stdin(Stdio::piped())
+        .spawn()
+        .map_err(|e| ConfigError(format!("cannot run {restore}: {e}")))?;
+    if let Some(mut stdin) = child.stdin.take() {
+        stdin
+            .write_all(rules.as_bytes())
+            .await
+            .map_err(|e| ConfigError(format!("cannot write to {restore}: {e}")))?;
+    }
+    let status = child
+        .wait()
+        .await
+        .map_err(|e| ConfigError(format!("{restore} failed: {e}")))?;
+    if !status.success() {
+        eprintln!("turnlock: {restore} exited with {status}; rules were:\n{rules}");
+        return Ok(false);
+    }
+    Ok(true)
 }
 
 /// Chooses the proxy (and so the store) each connection is forwarded to: its original
@@ -400,6 +461,9 @@ mod tests {
             dry_run: true,
             iptables: "iptables".into(),
             iptables_restore: "iptables-restore".into(),
+            ipv6: Ipv6Rules::Auto,
+            ip6tables: "ip6tables".into(),
+            ip6tables_restore: "ip6tables-restore".into(),
         }
     }
 

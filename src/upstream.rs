@@ -10,6 +10,9 @@
 //! sent is not (its outcome is unknown).
 
 mod pool;
+mod sigv4;
+
+pub use self::sigv4::{SignError, Signer};
 
 use std::time::Duration;
 
@@ -26,6 +29,47 @@ use tokio::time::Instant;
 use crate::http::{full, Body};
 use crate::merge::Document;
 use crate::metrics::Metrics;
+use crate::routes::Dialect;
+
+/// What the write-back of a merge keeps of the client's request, in the store's dialect.
+#[derive(Clone, Debug)]
+pub struct StoreParts {
+    pub dialect: &'static Dialect,
+    /// The client's end-to-end headers the dialect keeps (metadata, encryption, content type,
+    /// credentials).
+    pub headers: http::HeaderMap,
+    /// `If-Match` with the store's own entity tag: the write applies only to that version.
+    pub if_match: Option<http::HeaderValue>,
+}
+
+impl Default for StoreParts {
+    fn default() -> Self {
+        Self {
+            dialect: &crate::routes::dialect::HTTP,
+            headers: http::HeaderMap::new(),
+            if_match: None,
+        }
+    }
+}
+
+impl StoreParts {
+    pub fn of(dialect: &'static Dialect, headers: &http::HeaderMap) -> Self {
+        if dialect.answers_natively() {
+            return Self::default();
+        }
+        let mut kept = http::HeaderMap::new();
+        for (name, value) in headers {
+            if dialect.keeps(name.as_str()) {
+                kept.append(name.clone(), value.clone());
+            }
+        }
+        Self {
+            dialect,
+            headers: kept,
+            if_match: headers.get(header::IF_MATCH).cloned(),
+        }
+    }
+}
 
 /// The header carrying the fencing token of the lock grant a write was made under.
 pub const FENCING_TOKEN: &str = "x-fencing-token";
@@ -163,6 +207,8 @@ pub struct Upstream {
     /// The `Host` of every request, when it is not the authority of the URL (transparent
     /// mode: the name the client gave the store it reached at this address).
     host: Option<HeaderValue>,
+    /// Signs turnlock's own requests (its read and write-back), for stores that require it.
+    signer: Option<std::sync::Arc<Signer>>,
 }
 
 impl Upstream {
@@ -172,6 +218,18 @@ impl Upstream {
 
     /// Like [`Upstream::new`], with the pool's limits.
     pub fn with_pool(base: &str, timeout: Duration, pool: PoolSettings, metrics: Metrics) -> Result<Self, String> {
+        Self::with_tls(base, timeout, pool, metrics, None)
+    }
+
+    /// Like [`Upstream::with_pool`]; an `https://` store is verified against the system's
+    /// roots and, when given, the CA certificates (PEM) in `ca`.
+    pub fn with_tls(
+        base: &str,
+        timeout: Duration,
+        pool: PoolSettings,
+        metrics: Metrics,
+        ca: Option<&std::path::Path>,
+    ) -> Result<Self, String> {
         let uri: Uri = base
             .parse()
             .map_err(|e| format!("invalid upstream URL {base:?}: {e}"))?;
@@ -179,10 +237,9 @@ impl Upstream {
             .scheme()
             .cloned()
             .ok_or_else(|| format!("upstream URL {base:?} has no scheme"))?;
-        if scheme != http::uri::Scheme::HTTP {
-            return Err(format!(
-                "upstream URL {base:?}: only http:// is supported (TLS to the store is not built in)"
-            ));
+        let https = scheme == http::uri::Scheme::HTTPS;
+        if scheme != http::uri::Scheme::HTTP && !https {
+            return Err(format!("upstream URL {base:?}: the scheme must be http:// or https://"));
         }
         let authority = uri
             .authority()
@@ -191,7 +248,10 @@ impl Upstream {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(timeout));
-        let connector = pool::CappedConnector::new(connector, pool.max_connections);
+        let mut connector = pool::CappedConnector::new(connector, pool.max_connections);
+        if https {
+            connector = connector.with_tls(tls_config(ca).map_err(|e| format!("upstream URL {base:?}: {e}"))?);
+        }
         let client = Client::builder(TokioExecutor::new())
             .pool_timer(TokioTimer::new())
             .pool_idle_timeout(pool.idle_timeout)
@@ -210,7 +270,41 @@ impl Upstream {
             metrics,
             via: None,
             host: None,
+            signer: None,
         })
+    }
+
+    /// The same upstream, signing turnlock's own requests with `signer`.
+    pub fn with_signer(mut self, signer: Signer) -> Self {
+        self.signer = Some(std::sync::Arc::new(signer));
+        self
+    }
+
+    /// Signs one of turnlock's own requests, when configured to.
+    fn sign(&self, req: &mut Request<Body>, body: &[u8]) -> Result<(), UpstreamError> {
+        match &self.signer {
+            Some(signer) => signer
+                .sign(req, body)
+                .map_err(|e| UpstreamError::NotSent(e.to_string())),
+            None => Ok(()),
+        }
+    }
+
+    /// Signs a request forwarded for a client, when turnlock signs for this store (the
+    /// client's own signature names the sidecar's address, not the store's).
+    pub fn sign_forwarded(&self, parts: http::request::Parts) -> Result<http::request::Parts, UpstreamError> {
+        let Some(signer) = &self.signer else {
+            return Ok(parts);
+        };
+        let mut parts = parts;
+        // Not signed and not sent: a store (or a server in front of it) may answer or drop
+        // `Expect: 100-continue` itself, and a signature covering it then no longer verifies.
+        parts.headers.remove(header::EXPECT);
+        let mut req = Request::from_parts(parts, ());
+        signer
+            .sign_forwarded(&mut req)
+            .map_err(|e| UpstreamError::NotSent(e.to_string()))?;
+        Ok(req.into_parts().0)
     }
 
     /// The same upstream, adding `via` to the `Via` header of every request.
@@ -352,20 +446,36 @@ impl Upstream {
 
     /// Reads the document at `path`, or `None` on 404.
     pub async fn get_document(&self, path: &str) -> Result<Fetched, UpstreamError> {
-        let raw = self.get_document_raw(path).await?;
+        self.get_document_with(path, &StoreParts::default()).await
+    }
+
+    /// [`Upstream::get_document`] with the client's credentials (its `Authorization`, when
+    /// the store's dialect keeps it), or signed by turnlock when configured to.
+    pub async fn get_document_with(&self, path: &str, store: &StoreParts) -> Result<Fetched, UpstreamError> {
+        let raw = self.get_document_raw_with(path, store).await?;
         let doc = raw.body.as_deref().map(parse_document).transpose()?;
         Ok(Fetched { doc, etag: raw.etag })
     }
 
     /// Reads a document as the store sent it (`body` `None` when absent), unparsed.
     pub async fn get_document_raw(&self, path: &str) -> Result<FetchedRaw, UpstreamError> {
+        self.get_document_raw_with(path, &StoreParts::default()).await
+    }
+
+    /// [`Upstream::get_document_raw`] with the client's credentials, or signed by turnlock
+    /// when configured to (as [`Upstream::get_document_with`]).
+    pub async fn get_document_raw_with(&self, path: &str, store: &StoreParts) -> Result<FetchedRaw, UpstreamError> {
         let started = Instant::now();
-        let req = Request::builder()
+        let mut req = Request::builder()
             .method(Method::GET)
             .uri(self.uri(path).map_err(|e| UpstreamError::NotSent(e.to_string()))?)
             .header(header::ACCEPT, "application/json")
             .body(crate::http::empty())
             .map_err(|e| UpstreamError::NotSent(e.to_string()))?;
+        if let Some(auth) = store.headers.get(header::AUTHORIZATION) {
+            req.headers_mut().insert(header::AUTHORIZATION, auth.clone());
+        }
+        self.sign(&mut req, b"")?;
         let res = self.send_safe(req).await;
         self.answered("get", &res);
         let result = match res {
@@ -401,18 +511,41 @@ impl Upstream {
         precondition: &Precondition,
         fence: u64,
     ) -> Result<Option<HeaderValue>, UpstreamError> {
+        self.put_document_with(path, doc, precondition, fence, &StoreParts::default())
+            .await
+    }
+
+    /// [`Upstream::put_document`] in a store's dialect: with the client's headers the
+    /// dialect keeps (metadata, encryption, content type, credentials), and the dialect's
+    /// conflict statuses read as "the document moved".
+    pub async fn put_document_with(
+        &self,
+        path: &str,
+        doc: Bytes,
+        precondition: &Precondition,
+        fence: u64,
+        store: &StoreParts,
+    ) -> Result<Option<HeaderValue>, UpstreamError> {
         let started = Instant::now();
         let mut req = Request::builder()
             .method(Method::PUT)
-            .uri(self.uri(path).map_err(|e| UpstreamError::NotSent(e.to_string()))?)
-            .header(header::CONTENT_TYPE, "application/json")
-            .header(FENCING_TOKEN, fence);
+            .uri(self.uri(path).map_err(|e| UpstreamError::NotSent(e.to_string()))?);
+        if let Some(headers) = req.headers_mut() {
+            headers.extend(store.headers.clone());
+            headers
+                .entry(header::CONTENT_TYPE)
+                .or_insert(HeaderValue::from_static("application/json"));
+        }
+        req = req.header(FENCING_TOKEN, fence);
         req = match precondition {
             Precondition::IfMatch(tag) => req.header(header::IF_MATCH, tag.clone()),
             Precondition::Absent => req.header(header::IF_NONE_MATCH, "*"),
             Precondition::None => req,
         };
-        let req = req.body(full(doc)).map_err(|e| UpstreamError::NotSent(e.to_string()))?;
+        let mut req = req
+            .body(full(doc.clone()))
+            .map_err(|e| UpstreamError::NotSent(e.to_string()))?;
+        self.sign(&mut req, &doc)?;
         let res = self.send(req).await;
         self.answered("put", &res);
         let result = match res {
@@ -422,9 +555,14 @@ impl Upstream {
                 let _ = self.body(res).await;
                 Ok(etag)
             }
-            Ok(res) if res.status() == StatusCode::PRECONDITION_FAILED => {
-                let _ = self.body(res).await;
-                Err(UpstreamError::PreconditionFailed)
+            Ok(res) if store.dialect.is_conflict(res.status().as_u16()) => {
+                let status = res.status();
+                let body = self.body(res).await.unwrap_or_default();
+                if status == StatusCode::CONFLICT && is_fenced_out(&body) {
+                    Err(UpstreamError::FencedOut)
+                } else {
+                    Err(UpstreamError::PreconditionFailed)
+                }
             }
             Ok(res) => {
                 let status = res.status();
@@ -489,6 +627,43 @@ fn repeatable(req: &Request<Body>) -> Option<Request<Body>> {
 
 /// Whether a store's 409 says the write's fencing token was older than one already stored
 /// (the reference store's `--enforce-fencing` answer).
+/// TLS to the store: the system's roots, plus the CA certificates of `ca` (PEM).
+fn tls_config(ca: Option<&std::path::Path>) -> Result<std::sync::Arc<rustls::ClientConfig>, String> {
+    use rustls_pki_types::pem::PemObject;
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in rustls_native_certs::load_native_certs().certs {
+        // A system certificate rustls cannot use is left out, as other clients do.
+        let _ = roots.add(cert);
+    }
+    if let Some(path) = ca {
+        let pem = std::fs::read(path).map_err(|e| format!("cannot read --upstream-ca {}: {e}", path.display()))?;
+        let mut added = 0;
+        for cert in rustls_pki_types::CertificateDer::pem_slice_iter(&pem) {
+            let cert = cert.map_err(|e| format!("--upstream-ca {}: {e}", path.display()))?;
+            roots
+                .add(cert)
+                .map_err(|e| format!("--upstream-ca {}: {e}", path.display()))?;
+            added += 1;
+        }
+        if added == 0 {
+            return Err(format!("--upstream-ca {} holds no PEM certificate", path.display()));
+        }
+    }
+    if roots.is_empty() {
+        return Err(
+            "no CA certificates to verify the store with: install the system's (ca-certificates) or give --upstream-ca"
+                .into(),
+        );
+    }
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    Ok(std::sync::Arc::new(config))
+}
+
 fn is_fenced_out(body: &[u8]) -> bool {
     serde_json::from_slice::<serde_json::Value>(body).is_ok_and(|v| v["error"] == "stale_fencing_token")
 }

@@ -37,10 +37,12 @@ ATTEMPTS = 8
 
 def run_turn(session, message_id, content):
     """Runs the turn, again from a fresh read when the store (or turnlock) answers that the
-    session is busy (503) or that the copy was stale (409), as a careful agent does."""
+    session is busy (503), that the copy was stale (409), or that the session it found absent
+    was created meanwhile and a write to it needs the version read (428), as a careful agent
+    does."""
     for attempt in range(ATTEMPTS):
         status, body = try_turn(session, message_id, content)
-        if status not in (409, 503) or attempt == ATTEMPTS - 1:
+        if status not in (409, 428, 503) or attempt == ATTEMPTS - 1:
             return status, body
         time.sleep(0.01 * (attempt + 1) + random.random() * 0.02)
     return status, body

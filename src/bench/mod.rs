@@ -15,10 +15,12 @@ mod histograms;
 mod load;
 mod phases;
 mod procs;
+mod redis_tls;
 mod wrk;
 
 pub use self::load::Stats;
 pub use self::procs::Machine;
+pub use self::redis_tls::TlsRow;
 pub use self::wrk::WrkRun;
 
 use std::fmt::Write as _;
@@ -49,13 +51,14 @@ pub struct BenchArgs {
     /// The nginx binary run as a pass-through peer (skipped, saying so, when not installed).
     #[arg(long, default_value = "nginx")]
     pub nginx: String,
-    /// Run only these phases (comma-separated: resources, pass, write, hot); all by default.
+    /// Run only these phases (comma-separated: resources, pass, write, hot, redis-tls); all by
+    /// default.
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
 }
 
 /// The phases a run can be limited to with `--only`.
-const PHASES: [&str; 4] = ["resources", "pass", "write", "hot"];
+const PHASES: [&str; 5] = ["resources", "pass", "write", "hot", "redis-tls"];
 
 #[derive(Debug, thiserror::Error)]
 pub enum BenchError {
@@ -79,6 +82,8 @@ pub struct Report {
     pub hot: Vec<HotRow>,
     pub resources: Option<Resources>,
     pub targets: Vec<Target>,
+    /// Uncontended appends with Redis over TLS and over plaintext (phase `redis-tls`).
+    pub redis_tls: Vec<TlsRow>,
 }
 
 /// GET of one document, straight to the store and through a proxy.
@@ -242,6 +247,10 @@ pub async fn run(args: BenchArgs) -> Result<Report, BenchError> {
         false => Vec::new(),
     };
     drop(rig);
+    let redis_tls = match wanted("redis-tls") {
+        true => redis_tls::measure(&exe, &args.redis_server, &plan).await?,
+        false => Vec::new(),
+    };
     let mut report = Report {
         machine: procs::machine(),
         quick: args.quick,
@@ -251,6 +260,7 @@ pub async fn run(args: BenchArgs) -> Result<Report, BenchError> {
         hot,
         resources,
         targets: Vec::new(),
+        redis_tls,
     };
     report.targets = targets(&report);
     let json = serde_json::to_vec_pretty(&report).map_err(|e| BenchError::Failed(e.to_string()))?;
@@ -523,6 +533,7 @@ pub fn table(r: &Report) -> String {
             res.rss_idle_mib, res.rss_open_connections_mib, res.open_connections
         );
     }
+    s.push_str(&redis_tls::table(&r.redis_tls));
     let _ = writeln!(s, "\nTargets");
     for t in &r.targets {
         let _ = writeln!(

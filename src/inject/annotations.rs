@@ -35,6 +35,19 @@ pub const NATIVE_SIDECAR: &str = "turnlock.dev/native-sidecar";
 pub const TRANSPARENT: &str = "turnlock.dev/transparent";
 /// Comma-separated ports intercepted in transparent mode (default: the upstream URL's port).
 pub const INTERCEPT_PORTS: &str = "turnlock.dev/intercept-ports";
+/// A Secret holding the CA that signs Redis's certificate, as `<secret-name>` (key `ca.crt`)
+/// or `<secret-name>/<key>`; mounted read-only, given as `--redis-ca`.
+pub const REDIS_CA_SECRET: &str = "turnlock.dev/redis-ca-secret";
+/// A `kubernetes.io/tls` Secret (`tls.crt`, `tls.key`): the client certificate for mutual TLS
+/// with Redis; mounted read-only, given as `--redis-cert` / `--redis-key`.
+pub const REDIS_CLIENT_CERT_SECRET: &str = "turnlock.dev/redis-client-cert-secret";
+/// A Secret key holding the Redis password, as `<secret-name>/<key>`; mounted read-only,
+/// given as `--redis-password-file`.
+pub const REDIS_PASSWORD_SECRET: &str = "turnlock.dev/redis-password-secret";
+/// The Redis ACL user (`--redis-username`).
+pub const REDIS_USERNAME: &str = "turnlock.dev/redis-username";
+/// The name Redis's certificate carries, when the URL's host is not it (`--redis-tls-server-name`).
+pub const REDIS_TLS_SERVER_NAME: &str = "turnlock.dev/redis-tls-server-name";
 
 /// Where the sidecar's Redis URL comes from.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -46,6 +59,19 @@ pub enum RedisSource {
         name: String,
         key: String,
     },
+}
+
+/// Secrets mounted into the sidecar for its Redis connection, and the ACL user.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RedisAccess {
+    /// The CA's Secret and key.
+    pub ca: Option<(String, String)>,
+    /// The client certificate's `kubernetes.io/tls` Secret.
+    pub client_cert: Option<String>,
+    /// The password's Secret and key.
+    pub password: Option<(String, String)>,
+    pub username: Option<String>,
+    pub server_name: Option<String>,
 }
 
 /// Resource requests and limits of the sidecar.
@@ -62,6 +88,7 @@ pub struct Resources {
 pub struct Settings {
     pub upstream: Option<String>,
     pub redis: RedisSource,
+    pub redis_access: RedisAccess,
     pub lock_budget_ms: Option<u64>,
     pub wait_deadline_ms: Option<u64>,
     pub store_url_env: Option<String>,
@@ -112,6 +139,8 @@ pub fn resolve(annotations: &BTreeMap<String, String>, defaults: &WebhookArgs) -
             (None, None) => RedisSource::None,
         },
     };
+
+    let redis_access = redis_access(&get, &redis)?;
 
     let lock_budget_ms = millis(LOCK_BUDGET_MS, get(LOCK_BUDGET_MS))?;
     let wait_deadline_ms = millis(WAIT_DEADLINE_MS, get(WAIT_DEADLINE_MS))?;
@@ -191,6 +220,7 @@ pub fn resolve(annotations: &BTreeMap<String, String>, defaults: &WebhookArgs) -
     Ok(Settings {
         upstream,
         redis,
+        redis_access,
         lock_budget_ms,
         wait_deadline_ms,
         store_url_env,
@@ -234,14 +264,99 @@ fn check_upstream(u: &str) -> Result<(), InvalidAnnotation> {
     }
 }
 
+/// The sidecar's own check of its `--redis` URL, so an admitted pod's sidecar accepts it.
 fn redis_url(key: &'static str, u: String) -> Result<RedisSource, InvalidAnnotation> {
-    if u.starts_with("redis://") || u.starts_with("rediss://") || u.starts_with("redis+sentinel://") {
-        Ok(RedisSource::Url(u))
-    } else {
-        Err(invalid(
+    match crate::redis_url::check(&u) {
+        Ok(()) => Ok(RedisSource::Url(u)),
+        Err(reason) => Err(invalid(
             key,
-            "expected a redis://, rediss:// or redis+sentinel:// URL".into(),
-        ))
+            format!("the sidecar would refuse this Redis URL: {reason}"),
+        )),
+    }
+}
+
+/// The TLS and ACL annotations, checked against the URL when the injector can see it.
+fn redis_access(get: &dyn Fn(&str) -> Option<String>, redis: &RedisSource) -> Result<RedisAccess, InvalidAnnotation> {
+    let ca = match get(REDIS_CA_SECRET) {
+        None => None,
+        Some(v) if !v.contains('/') => Some((secret_name(REDIS_CA_SECRET, &v)?, "ca.crt".to_owned())),
+        Some(v) => match secret_ref(REDIS_CA_SECRET, &v)? {
+            RedisSource::Secret { name, key } => Some((name, key)),
+            _ => None,
+        },
+    };
+    let client_cert = get(REDIS_CLIENT_CERT_SECRET)
+        .map(|v| secret_name(REDIS_CLIENT_CERT_SECRET, &v))
+        .transpose()?;
+    let password = match get(REDIS_PASSWORD_SECRET) {
+        None => None,
+        Some(v) => match secret_ref(REDIS_PASSWORD_SECRET, &v)? {
+            RedisSource::Secret { name, key } => Some((name, key)),
+            _ => None,
+        },
+    };
+    let username = get(REDIS_USERNAME);
+    if let Some(u) = &username {
+        if u.is_empty() || u.chars().any(|c| c.is_whitespace() || c.is_control()) {
+            return Err(invalid(REDIS_USERNAME, format!("{u:?} is not a Redis user name")));
+        }
+    }
+    let server_name = get(REDIS_TLS_SERVER_NAME);
+    if let Some(n) = &server_name {
+        if rustls_pki_types::ServerName::try_from(n.as_str()).is_err() {
+            return Err(invalid(
+                REDIS_TLS_SERVER_NAME,
+                format!("{n:?} is not a DNS name or IP address"),
+            ));
+        }
+    }
+    let access = RedisAccess {
+        ca,
+        client_cert,
+        password,
+        username,
+        server_name,
+    };
+    if access != RedisAccess::default() && *redis == RedisSource::None {
+        return Err(invalid(
+            REDIS_URL,
+            "the Redis TLS or ACL annotations need a Redis URL (turnlock.dev/redis-url or turnlock.dev/redis-secret)"
+                .into(),
+        ));
+    }
+    let tls_set = access.ca.is_some() || access.client_cert.is_some() || access.server_name.is_some();
+    if let RedisSource::Url(u) = redis {
+        let tls = crate::redis_url::parse(u).map(|t| t.tls()).unwrap_or(false);
+        if tls_set && !tls {
+            let key = [
+                (REDIS_CA_SECRET, access.ca.is_some()),
+                (REDIS_CLIENT_CERT_SECRET, access.client_cert.is_some()),
+                (REDIS_TLS_SERVER_NAME, true),
+            ]
+            .into_iter()
+            .find_map(|(k, set)| set.then_some(k))
+            .unwrap_or(REDIS_CA_SECRET);
+            return Err(invalid(
+                key,
+                "needs a rediss:// or rediss+sentinel:// Redis URL (the sidecar would refuse it)".into(),
+            ));
+        }
+    }
+    Ok(access)
+}
+
+fn secret_name(key: &'static str, name: &str) -> Result<String, InvalidAnnotation> {
+    let ok = !name.is_empty()
+        && name.len() <= 253
+        && name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '.')
+        && name.starts_with(|c: char| c.is_ascii_alphanumeric())
+        && name.ends_with(|c: char| c.is_ascii_alphanumeric());
+    if ok {
+        Ok(name.to_owned())
+    } else {
+        Err(invalid(key, format!("{name:?} is not a Secret name")))
     }
 }
 
@@ -398,6 +513,50 @@ mod tests {
             }
             let e = resolve(&a, &d).expect_err(value);
             assert_eq!(e.key, key, "{value}");
+        }
+    }
+
+    #[test]
+    fn redis_tls_and_acl_annotations_name_their_secrets_and_need_a_tls_url() {
+        let mut d = defaults();
+        d.upstream = Some("http://store:8080".into());
+        let s = resolve(
+            &map(&[
+                (REDIS_URL, "rediss://10.0.0.5:6380"),
+                (REDIS_CA_SECRET, "redis-ca"),
+                (REDIS_CLIENT_CERT_SECRET, "redis-client"),
+                (REDIS_PASSWORD_SECRET, "redis-acl/password"),
+                (REDIS_USERNAME, "turnlock"),
+                (REDIS_TLS_SERVER_NAME, "redis.internal"),
+            ]),
+            &d,
+        )
+        .unwrap();
+        assert_eq!(s.redis_access.ca, Some(("redis-ca".into(), "ca.crt".into())));
+        assert_eq!(s.redis_access.client_cert.as_deref(), Some("redis-client"));
+        assert_eq!(s.redis_access.password, Some(("redis-acl".into(), "password".into())));
+        for (pairs, key) in [
+            (
+                vec![(REDIS_URL, "redis://r:6379"), (REDIS_CA_SECRET, "redis-ca")],
+                REDIS_CA_SECRET,
+            ),
+            (vec![(REDIS_PASSWORD_SECRET, "redis-acl/password")], REDIS_URL),
+            (
+                vec![(REDIS_URL, "rediss://r:6379"), (REDIS_CA_SECRET, "Bad_Name")],
+                REDIS_CA_SECRET,
+            ),
+            (
+                vec![(REDIS_URL, "rediss://r:6379"), (REDIS_PASSWORD_SECRET, "no-key")],
+                REDIS_PASSWORD_SECRET,
+            ),
+            (
+                vec![(REDIS_URL, "rediss://r:6379"), (REDIS_USERNAME, "two words")],
+                REDIS_USERNAME,
+            ),
+            (vec![(REDIS_URL, "rediss://r:6379/#insecure")], REDIS_URL),
+        ] {
+            let e = resolve(&map(&pairs), &d).expect_err(key);
+            assert_eq!(e.key, key, "{pairs:?}: {e}");
         }
     }
 

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{
     Capabilities, Container, ContainerPort, EnvVar, EnvVarSource, HTTPGetAction, Pod, Probe, ResourceRequirements,
-    SeccompProfile, SecretKeySelector, SecurityContext,
+    SeccompProfile, SecretKeySelector, SecretVolumeSource, SecurityContext, Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
@@ -115,12 +115,30 @@ fn mutate(pod: &mut Value, settings: &Settings, targets: &[String], defaults: &W
         None => None,
     };
 
+    let volumes = redis_volumes(settings)
+        .into_iter()
+        .map(|v| serde_json::to_value(v).map_err(|e| format!("cannot encode a volume: {e}")))
+        .collect::<Result<Vec<_>, _>>()?;
+
     let root = pod.as_object_mut().ok_or("the pod is not a JSON object")?;
     let metadata = object_field(root, "metadata")?;
     let annotations = object_field(metadata, "annotations")?;
     annotations.insert(annotations::STATUS.to_owned(), Value::String(status(settings)));
 
     let spec = object_field(root, "spec")?;
+    if !volumes.is_empty() {
+        let pod_volumes = array_field(spec, "volumes")?;
+        for v in volumes {
+            let name = v.get("name").cloned();
+            if pod_volumes.iter().any(|p| p.get("name") == name.as_ref()) {
+                return Err(format!(
+                    "the pod already has a volume named {}",
+                    name.unwrap_or_default()
+                ));
+            }
+            pod_volumes.push(v);
+        }
+    }
     let mut prepend = Vec::new();
     prepend.extend(init);
     if settings.native {
@@ -191,6 +209,7 @@ pub fn sidecar(settings: &Settings, defaults: &WebhookArgs) -> Container {
             ..Default::default()
         }),
     }
+    env.extend(redis_access_env(settings));
     if let Some(ms) = settings.lock_budget_ms {
         env.push(env_var("TURNLOCK_LOCK_BUDGET_MS", &ms.to_string()));
     }
@@ -233,6 +252,7 @@ pub fn sidecar(settings: &Settings, defaults: &WebhookArgs) -> Container {
         startup_probe: Some(probe("/readyz", 1, 120)),
         readiness_probe: Some(probe("/readyz", 5, 3)),
         liveness_probe: Some(probe("/healthz", 10, 3)),
+        volume_mounts: Some(redis_mounts(settings)).filter(|m| !m.is_empty()),
         resources: Some(ResourceRequirements {
             requests: Some(quantities(&r.cpu_request, &r.memory_request)),
             limits: Some(quantities(&r.cpu_limit, &r.memory_limit)),
@@ -257,6 +277,83 @@ pub fn sidecar(settings: &Settings, defaults: &WebhookArgs) -> Container {
         }),
         ..Default::default()
     }
+}
+
+/// Where the Redis Secrets are mounted in the sidecar: whole Secrets (no `subPath`), so the
+/// kubelet's updates reach the files and the sidecar reloads them.
+const REDIS_CA_DIR: &str = "/var/run/turnlock/redis-ca";
+const REDIS_CLIENT_DIR: &str = "/var/run/turnlock/redis-client";
+const REDIS_PASSWORD_DIR: &str = "/var/run/turnlock/redis-password";
+
+/// The Redis Secrets as (volume name, Secret, mount path).
+fn redis_secrets(settings: &Settings) -> Vec<(&'static str, String, &'static str)> {
+    let a = &settings.redis_access;
+    let mut out = Vec::new();
+    if let Some((name, _)) = &a.ca {
+        out.push(("turnlock-redis-ca", name.clone(), REDIS_CA_DIR));
+    }
+    if let Some(name) = &a.client_cert {
+        out.push(("turnlock-redis-client", name.clone(), REDIS_CLIENT_DIR));
+    }
+    if let Some((name, _)) = &a.password {
+        out.push(("turnlock-redis-password", name.clone(), REDIS_PASSWORD_DIR));
+    }
+    out
+}
+
+/// The pod volumes of the Redis Secrets (mounted into the sidecar only).
+pub fn redis_volumes(settings: &Settings) -> Vec<Volume> {
+    redis_secrets(settings)
+        .into_iter()
+        .map(|(volume, secret, _)| Volume {
+            name: volume.into(),
+            secret: Some(SecretVolumeSource {
+                secret_name: Some(secret),
+                default_mode: Some(0o444),
+                optional: Some(false),
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+        .collect()
+}
+
+fn redis_mounts(settings: &Settings) -> Vec<VolumeMount> {
+    redis_secrets(settings)
+        .into_iter()
+        .map(|(volume, _, path)| VolumeMount {
+            name: volume.into(),
+            mount_path: path.into(),
+            read_only: Some(true),
+            ..Default::default()
+        })
+        .collect()
+}
+
+/// The sidecar's flags for the mounted Redis Secrets and the ACL user.
+fn redis_access_env(settings: &Settings) -> Vec<EnvVar> {
+    let a = &settings.redis_access;
+    let mut env = Vec::new();
+    if let Some((_, key)) = &a.ca {
+        env.push(env_var("TURNLOCK_REDIS_CA", &format!("{REDIS_CA_DIR}/{key}")));
+    }
+    if a.client_cert.is_some() {
+        env.push(env_var("TURNLOCK_REDIS_CERT", &format!("{REDIS_CLIENT_DIR}/tls.crt")));
+        env.push(env_var("TURNLOCK_REDIS_KEY", &format!("{REDIS_CLIENT_DIR}/tls.key")));
+    }
+    if let Some((_, key)) = &a.password {
+        env.push(env_var(
+            "TURNLOCK_REDIS_PASSWORD_FILE",
+            &format!("{REDIS_PASSWORD_DIR}/{key}"),
+        ));
+    }
+    if let Some(user) = &a.username {
+        env.push(env_var("TURNLOCK_REDIS_USERNAME", user));
+    }
+    if let Some(name) = &a.server_name {
+        env.push(env_var("TURNLOCK_REDIS_TLS_SERVER_NAME", name));
+    }
+    env
 }
 
 /// The init container that installs the interception rules (transparent mode).

@@ -282,9 +282,9 @@ impl RedisLocks {
         let key_ms = self.settings.key_ttl.as_millis() as u64;
         let (slot, mark) = (scope.slot(), scope.turn_mark());
         let script = &self.scripts.slot_release;
-        let released: i64 = self
+        let (released, resent): (i64, bool) = self
             .conn
-            .run(|mut c| {
+            .run_resent(|mut c| {
                 let (slot, mark) = (&slot, &mark);
                 async move {
                     script
@@ -299,7 +299,9 @@ impl RedisLocks {
             })
             .await
             .map_err(backend)?;
-        Ok(released == 1)
+        // Sent again after a cut connection, "not held" most likely means the first attempt
+        // gave it back before the cut: not a write-back that outlived its slot.
+        Ok(released == 1 || resent)
     }
 
     pub(super) async fn ping(&self) -> Result<(), LockError> {
@@ -348,10 +350,7 @@ async fn pubsub_loop(
     mut rx: mpsc::UnboundedReceiver<Subscription>,
 ) {
     loop {
-        let pubsub = match conn.client().await {
-            Ok(client) => client.get_async_pubsub().await,
-            Err(e) => Err(e),
-        };
+        let pubsub = conn.pubsub().await;
         let (mut sink, mut stream): (PubSubSink, _) = match pubsub {
             Ok(p) => p.split(),
             Err(error) => {

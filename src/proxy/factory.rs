@@ -22,11 +22,23 @@ pub struct ProxyFactory {
     pub upstream_timeout: Duration,
     pub pool: PoolSettings,
     pub max_body: Limits,
+    /// CA certificates for an `https://` store, besides the system's roots.
+    pub upstream_ca: Option<std::path::PathBuf>,
 }
 
 impl ProxyFactory {
     pub(crate) fn upstream(&self, url: &str) -> Result<Upstream, String> {
-        Upstream::with_pool(url, self.upstream_timeout, self.pool, self.metrics.clone())
+        let upstream = Upstream::with_tls(
+            url,
+            self.upstream_timeout,
+            self.pool,
+            self.metrics.clone(),
+            self.upstream_ca.as_deref(),
+        )?;
+        Ok(match self.routes.signing() {
+            Some(s) => upstream.with_signer(crate::upstream::Signer::new(&s.region, &s.service)),
+            None => upstream,
+        })
     }
 
     pub(crate) fn proxy(&self, upstream: Upstream) -> Proxy {

@@ -21,6 +21,7 @@
 //! 7. `error`: every refusal or failure of a write made an answer in one place.
 
 mod answer;
+mod dialect;
 mod error;
 mod factory;
 mod layers;
@@ -93,19 +94,20 @@ impl Proxy {
     /// ([`RouteName`]) for the request metrics layer.
     pub async fn handle(&self, req: Request<Body>, peer: SocketAddr) -> Response<Body> {
         let inner = &self.inner;
+        // The route's captures are owned: the path is not copied to find them.
         let found = inner.routes.find(req.method(), req.uri().path());
         let (route_name, mut res) = match found {
-            Ok(Some((route, session))) => {
+            Ok(Some((route, captures))) => {
                 let _in_flight = inner.metrics.write_in_flight();
                 let (parts, body) = req.into_parts();
-                let res = match request::parse(route, &session, &parts, body, inner.max_body).await {
+                let res = match request::parse(route, &captures, &parts, body, inner.max_body).await {
                     Ok(write) => {
                         let (session, turn, started) = (write.session.to_string(), write.turn, Instant::now());
                         let answer = inner.pipeline.submit(write).await;
                         log_write(route.name, &session, turn, &answer, started);
-                        answer.into_response()
+                        dialect::answer(route.dialect, &captures, answer)
                     }
-                    Err(refusal) => refusal.into_response(),
+                    Err(refusal) => dialect::refusal(route.dialect, refusal),
                 };
                 (route.name, res)
             }
@@ -142,6 +144,10 @@ impl Proxy {
         parts.headers.remove(crate::upstream::FENCING_TOKEN);
         append_forwarded_for(&mut parts.headers, peer);
         parts.version = http::Version::HTTP_11;
+        let parts = match upstream.sign_forwarded(parts) {
+            Ok(parts) => parts,
+            Err(e) => return error(e.status(), e.code(), e, None),
+        };
         // A request without a body (most reads) is sent as it is: nothing to report.
         let (req, body_sent) = if http_body::Body::is_end_stream(&body) {
             let sent = futures_util::future::Either::Left(std::future::ready(true));

@@ -10,8 +10,9 @@ use sha2::{Digest, Sha256};
 
 use crate::http::{error, version_from_etag, Body};
 use crate::merge::{assign_ids, canonical, validate_messages, KeyedIds, Op, COMPACTED_IDS, LIFE};
-use crate::routes::{Kind, Mode, Route, TurnSource};
+use crate::routes::{AnswerForm, Captures, Kind, Mode, Route, TurnSource};
 use crate::session::{resolve_turn, turn_from_header, turn_from_json, SessionId, TurnError};
+use crate::upstream::StoreParts;
 
 pub const SESSION_TURN: &str = "x-session-turn";
 pub const CONTEXT_REPLACE: &str = "x-context-replace";
@@ -29,6 +30,9 @@ pub const BODY_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_sec
 pub struct WriteRequest {
     pub session: SessionId,
     pub turn: u64,
+    /// Whether the write named its turn; one that did not (a route whose turn is optional) is
+    /// merged at the stored turn, with no stale-turn check.
+    pub turn_given: bool,
     pub route: &'static str,
     pub action: Action,
     pub idempotency: Option<Idempotency>,
@@ -39,7 +43,12 @@ pub struct WriteRequest {
 #[derive(Debug)]
 pub enum Action {
     /// Read-merge-write of the document at `document` (a path on the store).
-    Merge { op: Op, document: String },
+    Merge {
+        op: Op,
+        document: String,
+        /// What the store needs of the client's request on the write-back (its dialect's).
+        store: StoreParts,
+    },
     /// Delete the document at `document` (a path on the store), in its commit order, with
     /// the client's headers (credentials, preconditions).
     Delete { document: String, headers: HeaderMap },
@@ -52,7 +61,19 @@ pub enum Action {
         path_and_query: String,
         headers: HeaderMap,
         body: Bytes,
+        /// An object created once: the rewrite rule checked against the stored object.
+        once: Option<Once>,
     },
+}
+
+/// A `serialize` write of an object created once (one object per message): created with
+/// `If-None-Match: *`; a stored object is rewritten only when `same` (JSON pointers) hold the
+/// same values in it and in the write, under `If-Match` with the ETag read.
+#[derive(Debug)]
+pub struct Once {
+    pub same: Vec<String>,
+    /// The client's credentials for turnlock's read of the stored object.
+    pub store: StoreParts,
 }
 
 #[derive(Clone, Debug)]
@@ -120,7 +141,7 @@ async fn read_limited(mut body: crate::http::Body, max: usize) -> Result<bytes::
 /// Parses and validates a write. `limits` bound the body, declared or streamed.
 pub async fn parse(
     route: &Route,
-    raw_session: &str,
+    captures: &Captures,
     parts: &http::request::Parts,
     body: crate::http::Body,
     limits: Limits,
@@ -129,7 +150,13 @@ pub async fn parse(
         Mode::Merge { kind: Kind::Put, .. } => limits.body.max(limits.document),
         _ => limits.body,
     };
-    let session = SessionId::parse(raw_session).map_err(|e| bad("invalid_session_id", e))?;
+    let session = SessionId::parse(&captures.session).map_err(|e| bad("invalid_session_id", e))?;
+    let session = if route.path.has_params() {
+        SessionId::parse(&captures.session_key_within(route.session_scope.as_deref()))
+            .map_err(|e| bad("invalid_session_id", e))?
+    } else {
+        session
+    };
     let wait = wait_deadline(&parts.headers)?;
     if let Mode::Merge {
         kind: Kind::Delete,
@@ -139,9 +166,10 @@ pub async fn parse(
         // A delete carries no turn and no body: it is ordered by the document's commit slot.
         return Ok(WriteRequest {
             turn: 0,
+            turn_given: true,
             route: route.name,
             action: Action::Delete {
-                document: document.render(session.as_str()),
+                document: document.render_with(captures),
                 headers: parts.headers.clone(),
             },
             idempotency: None,
@@ -167,9 +195,10 @@ pub async fn parse(
     if declared.is_some_and(|n| n > max_body as u64) {
         return Err(too_large(max_body));
     }
-    let json_body = matches!(route.mode, Mode::Merge { .. }) || matches!(route.turn, TurnSource::Body(_));
+    let json_body =
+        matches!(route.mode, Mode::Merge { .. }) || matches!(route.turn, TurnSource::Body(_)) || route.once.is_some();
     if json_body {
-        check_content_type(&parts.headers)?;
+        check_content_type(&parts.headers, route.strict_content_type)?;
     }
     let bytes = match tokio::time::timeout(BODY_READ_TIMEOUT, read_limited(body, max_body)).await {
         Err(_) => {
@@ -213,16 +242,16 @@ pub async fn parse(
         }
         hex(&h.finalize())
     };
-    let (turn, action, fp) = match &route.mode {
+    let ((turn, turn_given), action, fp) = match &route.mode {
         Mode::Serialize => {
             let turn = match &route.turn {
                 TurnSource::Header(name) => match parts.headers.get(name) {
                     Some(v) => {
                         let turn = turn_from_header(v.as_bytes()).map_err(turn_refusal)?;
                         check_header_turns(name, turn, header_turn)?;
-                        turn
+                        Ok(turn)
                     }
-                    None => return Err(turn_refusal(TurnError::Missing)),
+                    None => Err(TurnError::Missing),
                 },
                 TurnSource::Body(pointer) => {
                     let doc = parse_object(&bytes)?;
@@ -231,11 +260,28 @@ pub async fn parse(
                         .map(turn_from_json)
                         .transpose()
                         .map_err(turn_refusal)?;
-                    resolve_turn(body_turn, header_turn).map_err(turn_refusal)?
+                    resolve_turn(body_turn, header_turn)
                 }
             };
+            // A write without a turn on a route whose turn is optional: serialized with the
+            // session's writes, not stale-checked.
+            let (turn, turn_given) = match turn {
+                Ok(t) => (t, true),
+                Err(TurnError::Missing) if route.turn_optional => (0, false),
+                Err(e) => return Err(turn_refusal(e)),
+            };
+            let once = match &route.once {
+                Some(same) => {
+                    parse_object(&bytes)?;
+                    Some(Once {
+                        same: same.clone(),
+                        store: StoreParts::of(route.dialect, &parts.headers),
+                    })
+                }
+                None => None,
+            };
             let action = Action::Serialize {
-                resource: route.path.render(session.as_str()),
+                resource: route.path.render_with(captures),
                 method: parts.method.clone(),
                 path_and_query: parts
                     .uri
@@ -244,10 +290,11 @@ pub async fn parse(
                     .unwrap_or_else(|| "/".into()),
                 headers: parts.headers.clone(),
                 body: bytes.clone(),
+                once,
             };
             // The payload is hashed only for an idempotency record.
             let fp = idempotency_key.is_some().then(|| fingerprint(b"serialize", json_body));
-            (turn, action, fp)
+            ((turn, turn_given), action, fp)
         }
         Mode::Merge { kind, document } => {
             let mut doc = parse_object(&bytes)?;
@@ -269,12 +316,22 @@ pub async fn parse(
             if let (TurnSource::Header(name), Some(t)) = (&route.turn, body_turn) {
                 check_header_turns(name, t, header_turn)?;
             }
-            let turn = resolve_turn(body_turn, header_turn).map_err(turn_refusal)?;
+            let (turn, turn_given) = match resolve_turn(body_turn, header_turn) {
+                Ok(t) => (t, true),
+                Err(TurnError::Missing) if route.turn_optional => (0, false),
+                Err(e) => return Err(turn_refusal(e)),
+            };
             let replace = parts
                 .headers
                 .get(CONTEXT_REPLACE)
                 .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"true"));
-            let if_match = parts.headers.get(header::IF_MATCH);
+            let store = StoreParts::of(route.dialect, &parts.headers);
+            // A store's own entity tag is the store's to compare (under the lock), not a
+            // turnlock version.
+            let if_match = match route.dialect.answer {
+                AnswerForm::Turnlock => parts.headers.get(header::IF_MATCH),
+                _ => None,
+            };
             let allowed = turn_field(&route.turn);
             let mut op = build_op(*kind, doc, replace, if_match, allowed.as_deref())?;
             let tag: &[u8] = if replace { b"replace" } else { b"merge" };
@@ -289,10 +346,11 @@ pub async fn parse(
                 );
             }
             (
-                turn,
+                (turn, turn_given),
                 Action::Merge {
                     op,
-                    document: document.render(session.as_str()),
+                    document: document.render_with(captures),
+                    store,
                 },
                 fp,
             )
@@ -305,6 +363,7 @@ pub async fn parse(
     Ok(WriteRequest {
         session,
         turn,
+        turn_given,
         route: route.name,
         action,
         idempotency,
@@ -504,13 +563,19 @@ fn check_messages_field(doc: &Map<String, Value>) -> Result<(), Refusal> {
     }
 }
 
-fn check_content_type(headers: &HeaderMap) -> Result<(), Refusal> {
+/// A JSON body is declared JSON; on a store's own route (not `strict`) it may also come as
+/// object-store SDKs send any body: `application/octet-stream`, `binary/octet-stream` or untyped.
+fn check_content_type(headers: &HeaderMap, strict: bool) -> Result<(), Refusal> {
     let ct = headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .unwrap_or("");
     let mime = ct.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
-    if mime == "application/json" || (mime.starts_with("application/") && mime.ends_with("+json")) {
+    let untyped = ["", "application/octet-stream", "binary/octet-stream"].contains(&mime.as_str());
+    if mime == "application/json"
+        || (mime.starts_with("application/") && mime.ends_with("+json"))
+        || (!strict && untyped)
+    {
         Ok(())
     } else {
         Err(Refusal::new(

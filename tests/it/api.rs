@@ -1012,3 +1012,34 @@ async fn the_reference_store_enforces_fencing_tokens_when_asked() {
     assert_eq!(put("x").await.status, StatusCode::BAD_REQUEST);
     assert_eq!(get_doc(&c, "f").await.json["version"], 3);
 }
+
+#[tokio::test]
+async fn a_redis_connection_cut_under_a_write_does_not_hold_up_the_session() {
+    let redis = RedisServer::start();
+    let store = store().await;
+    // Each write-back takes 400 ms: the connection is cut while the document's commit slot is
+    // held, so giving it back finds the connection gone.
+    let slow = front_store(store.addr, PutDelay::Every(Duration::from_millis(400))).await;
+    let proxy = proxy(proxy_args(slow, Some(&redis))).await;
+    let seed = append_ids(&client(proxy.addr), "cut", 1, &["seed"]).await;
+    assert_eq!(seed.status, StatusCode::CREATED, "{}", seed.json);
+    let during = {
+        let agent = client(proxy.addr);
+        tokio::spawn(async move { append_ids(&agent, "cut", 2, &["during"]).await })
+    };
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    redis.cmd(&["CLIENT", "KILL", "TYPE", "normal"]);
+    let during = during.await.expect("writer");
+    assert_eq!(during.status, StatusCode::OK, "{}", during.json);
+    // The next write is not kept waiting for the slot to expire (the store timeout plus a lease).
+    let started = std::time::Instant::now();
+    let after = append_ids(&client(proxy.addr), "cut", 3, &["after"]).await;
+    assert_eq!(after.status, StatusCode::OK, "{}", after.json);
+    assert!(
+        started.elapsed() < Duration::from_millis(2500),
+        "the next write waited {:?}",
+        started.elapsed()
+    );
+    let ids = message_ids(&get_doc(&client(store.addr), "cut").await.json);
+    assert_eq!(ids, ["seed", "during", "after"]);
+}

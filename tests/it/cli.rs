@@ -27,7 +27,7 @@ async fn demo_loses_updates_straight_to_the_store_and_none_through_turnlock() {
 #[test]
 fn bad_configuration_exits_64_with_a_clear_message() {
     for (args, needle) in [
-        (vec!["proxy", "--upstream", "ftp://store"], "only http://"),
+        (vec!["proxy", "--upstream", "ftp://store"], "http:// or https://"),
         (vec!["proxy", "--redis", "mysql://x"], "expected redis://"),
         (vec!["proxy", "--lock-budget-ms", "0"], "--lock-budget-ms"),
         (

@@ -695,3 +695,79 @@ async fn the_webhook_counts_reviews_by_outcome() {
         "{text}"
     );
 }
+
+#[tokio::test]
+async fn redis_tls_and_acl_secrets_are_mounted_read_only_into_the_sidecar() {
+    let hook = Webhook::start(|_| {}).await;
+    let original = pod(json!({
+        a::INJECT: "true",
+        a::REDIS_URL: "rediss://10.0.0.5:6380",
+        a::REDIS_CA_SECRET: "redis-ca",
+        a::REDIS_CLIENT_CERT_SECRET: "redis-client",
+        a::REDIS_PASSWORD_SECRET: "redis-acl/password",
+        a::REDIS_USERNAME: "turnlock",
+        a::REDIS_TLS_SERVER_NAME: "redis.internal",
+    }));
+    let response = hook.review("/inject", &pod_review(original.clone())).await;
+    let typed = assert_valid_pod(&apply(&original, &response));
+    let spec = typed.spec.expect("spec");
+    let sidecar = spec
+        .containers
+        .iter()
+        .chain(spec.init_containers.iter().flatten())
+        .find(|c| c.name == "turnlock")
+        .expect("sidecar");
+    for (name, value) in [
+        ("TURNLOCK_REDIS", "rediss://10.0.0.5:6380"),
+        ("TURNLOCK_REDIS_CA", "/var/run/turnlock/redis-ca/ca.crt"),
+        ("TURNLOCK_REDIS_CERT", "/var/run/turnlock/redis-client/tls.crt"),
+        ("TURNLOCK_REDIS_KEY", "/var/run/turnlock/redis-client/tls.key"),
+        (
+            "TURNLOCK_REDIS_PASSWORD_FILE",
+            "/var/run/turnlock/redis-password/password",
+        ),
+        ("TURNLOCK_REDIS_USERNAME", "turnlock"),
+        ("TURNLOCK_REDIS_TLS_SERVER_NAME", "redis.internal"),
+    ] {
+        assert_eq!(env_of(sidecar, name), Some(value), "{name}");
+    }
+    let mounts = sidecar.volume_mounts.clone().expect("mounts");
+    assert_eq!(mounts.len(), 3);
+    assert!(
+        mounts.iter().all(|m| m.read_only == Some(true) && m.sub_path.is_none()),
+        "whole Secrets, read-only (a subPath mount would never see a rotation): {mounts:?}"
+    );
+    let volumes = spec.volumes.expect("volumes");
+    let secrets: Vec<(String, String)> = volumes
+        .iter()
+        .filter_map(|v| Some((v.name.clone(), v.secret.as_ref()?.secret_name.clone()?)))
+        .collect();
+    for (volume, secret) in [
+        ("turnlock-redis-ca", "redis-ca"),
+        ("turnlock-redis-client", "redis-client"),
+        ("turnlock-redis-password", "redis-acl"),
+    ] {
+        assert!(
+            secrets.contains(&(volume.to_owned(), secret.to_owned())),
+            "{volume}: {secrets:?}"
+        );
+    }
+    // The agent's containers do not see them.
+    let agent = &spec.containers[0];
+    assert!(agent
+        .volume_mounts
+        .iter()
+        .flatten()
+        .all(|m| !m.name.starts_with("turnlock-redis")));
+
+    // A CA Secret with a plaintext URL would give a sidecar that refuses to start: refused.
+    let refused = pod(json!({
+        a::INJECT: "true",
+        a::REDIS_URL: "redis://10.0.0.5:6379",
+        a::REDIS_CA_SECRET: "redis-ca",
+    }));
+    let response = hook.review("/inject", &pod_review(refused)).await;
+    assert_eq!(response["allowed"], false, "{response}");
+    let message = response["status"]["message"].as_str().expect("message");
+    assert!(message.contains("rediss://"), "{message}");
+}

@@ -8,11 +8,13 @@
 
 mod support;
 
+mod agent_frameworks;
 mod api;
 mod cli;
 mod coalescing;
 mod commit_order;
 mod contention;
+mod deploy_metrics;
 mod edges;
 mod fair_order;
 mod faults;
@@ -23,7 +25,11 @@ mod inject_webhook;
 mod operability;
 mod passthrough;
 mod proxy_service;
+mod real_stores;
+mod redis_tls;
 mod release_records;
 mod route_matching;
 mod soak;
+mod tls_store;
 mod transparent_netns;
+mod weak_store;

@@ -261,7 +261,11 @@ fn routes_file_mistakes_stop_the_proxy_with_a_clear_message() {
         ),
         (
             route("path = \"/a/{thread}/events\"\nmode = \"serialize\""),
-            "unknown placeholder",
+            "exactly one {session}",
+        ),
+        (
+            route("path = \"/a/{session}/x{thread\"\nmode = \"serialize\""),
+            "does not close",
         ),
         (
             route("path = \"/a/{session}/événements\"\nmode = \"serialize\""),

@@ -603,3 +603,195 @@ fn nix_euid() -> u32 {
     let out = Command::new("id").arg("-u").output().expect("id -u");
     String::from_utf8_lossy(&out.stdout).trim().parse().unwrap_or(u32::MAX)
 }
+
+/// IPv6 addresses from the documentation range (RFC 3849), used only inside the namespaces.
+const POD_IP6: &str = "2001:db8::1";
+const STORE_IP6: &str = "2001:db8::2";
+
+/// Dual stack: `init-iptables` writes the same rules with `ip6tables`, and the sidecar forwards
+/// an IPv6 connection to its original destination (`IP6T_SO_ORIGINAL_DST`), with the usual lock
+/// path. A namespace without IPv6 gets the IPv4 rules only (`--ipv6 auto`), and `--ipv6 on`
+/// refuses to run there.
+#[test]
+fn ipv6_store_traffic_is_intercepted_and_forwarded_to_its_original_destination() {
+    assert_eq!(
+        nix_euid(),
+        0,
+        "this test creates network namespaces and nat rules: run it as root"
+    );
+    require("ip", &["-V"]);
+    require("ip6tables-restore", &["--version"]);
+    require("setpriv", &["--version"]);
+    require("curl", &["--version"]);
+    let redis = crate::support::redis_server_bin();
+    let bin = crate::support::turnlock_bin();
+    let bin = bin.to_str().expect("utf-8 path");
+
+    let mut lab = Lab::create("c");
+    let (pod, store) = (lab.pod.clone(), lab.store.clone());
+    for (ns, dev, ip) in [(&pod, lab.veth_pod(), POD_IP6), (&store, lab.veth_store(), STORE_IP6)] {
+        run(
+            "ip",
+            &["-n", ns, "addr", "add", &format!("{ip}/64"), "dev", &dev, "nodad"],
+        );
+    }
+    let store_url = format!("http://[{STORE_IP6}]:{STORE_PORT}");
+    lab.spawn(
+        &store,
+        &[],
+        bin,
+        &["store", "--listen", &format!("[{STORE_IP6}]:{STORE_PORT}")],
+    );
+    lab.spawn(
+        &pod,
+        &[],
+        &redis,
+        &[
+            "--port",
+            &REDIS_PORT.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ],
+    );
+    lab.wait_for(&format!("{store_url}/v1/sessions/probe"));
+    let append = |lab: &Lab, turn: u64, id: &str| {
+        let body = json!({"turn": turn, "messages": [{"id": id, "role": "user", "content": format!("turn {turn}")}]});
+        lab.curl(&[
+            "-g",
+            "-X",
+            "POST",
+            "-H",
+            "content-type: application/json",
+            "--data",
+            &body.to_string(),
+            &format!("{store_url}/v1/sessions/s-6/messages"),
+        ])
+    };
+
+    // The sidecar listens on 127.0.0.1 as usual (and so, in transparent mode, on [::1]).
+    lab.spawn(
+        &pod,
+        &[
+            "setpriv",
+            "--reuid",
+            PROXY_UID,
+            "--regid",
+            PROXY_UID,
+            "--clear-groups",
+            "--",
+        ],
+        bin,
+        &[
+            "proxy",
+            "--transparent",
+            "--listen",
+            &format!("127.0.0.1:{PROXY_PORT}"),
+            "--admin",
+            &format!("127.0.0.1:{ADMIN_PORT}"),
+            "--redis",
+            &format!("redis://127.0.0.1:{REDIS_PORT}"),
+        ],
+    );
+    lab.wait_for(&format!("http://127.0.0.1:{ADMIN_PORT}/readyz"));
+    for _ in 0..2 {
+        run(
+            "ip",
+            &[
+                "netns",
+                "exec",
+                &pod,
+                bin,
+                "init-iptables",
+                "--store-ports",
+                "8080",
+                "--proxy-uid",
+                PROXY_UID,
+            ],
+        );
+    }
+    let rules6 = String::from_utf8_lossy(&run("ip", &["netns", "exec", &pod, "ip6tables", "-t", "nat", "-S"]).stdout)
+        .into_owned();
+    assert_eq!(
+        rules6.matches("-A OUTPUT -p tcp -j TURNLOCK_OUTPUT").count(),
+        1,
+        "{rules6}"
+    );
+    assert!(rules6.contains("--uid-owner 1337 -j RETURN"), "{rules6}");
+    assert!(rules6.contains("-j REDIRECT --to-ports 7070"), "{rules6}");
+
+    // The agent writes to the store's IPv6 address: served by turnlock (created, merged, a
+    // stale turn refused), and the writes land in the store behind that address.
+    let (status, body) = append(&lab, 1, "m-1");
+    assert_eq!(status, 201, "the IPv6 append was not served by the sidecar: {body}");
+    let (status, body) = append(&lab, 2, "m-2");
+    assert_eq!(status, 200, "{body}");
+    let (status, body) = append(&lab, 1, "m-old");
+    assert_eq!(status, 409, "a stale turn is refused by the sidecar: {body}");
+    let (status, body) = lab.curl(&["-g", &format!("{store_url}/v1/sessions/s-6")]);
+    assert_eq!(status, 200, "{body}");
+    let stored: Value = serde_json::from_str(&body).expect("document");
+    assert_eq!(crate::support::message_ids(&stored), ["m-1", "m-2"]);
+    let (_, metrics) = lab.curl(&[&format!("http://127.0.0.1:{ADMIN_PORT}/metrics")]);
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.contains("route=\"append\"") && l.contains("status=\"201\"") && l.ends_with(" 1")),
+        "no append counted:\n{metrics}"
+    );
+
+    // A pod without IPv6: `auto` installs the IPv4 rules only and says so; `on` refuses.
+    let bare = Lab::create("d");
+    let bare_pod = bare.pod.clone();
+    run(
+        "ip",
+        &[
+            "netns",
+            "exec",
+            &bare_pod,
+            "sysctl",
+            "-q",
+            "-w",
+            "net.ipv6.conf.all.disable_ipv6=1",
+        ],
+    );
+    let init = |extra: &[&str]| {
+        Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                &bare_pod,
+                bin,
+                "init-iptables",
+                "--store-ports",
+                "8080",
+            ])
+            .args(extra)
+            .output()
+            .expect("init-iptables")
+    };
+    let on = init(&["--ipv6", "on"]);
+    assert!(!on.status.success(), "--ipv6 on succeeded without IPv6");
+    assert!(
+        String::from_utf8_lossy(&on.stderr).contains("no IPv6"),
+        "{}",
+        String::from_utf8_lossy(&on.stderr)
+    );
+    let auto = init(&[]);
+    assert!(auto.status.success(), "{}", String::from_utf8_lossy(&auto.stderr));
+    let rules4 =
+        String::from_utf8_lossy(&run("ip", &["netns", "exec", &bare_pod, "iptables", "-t", "nat", "-S"]).stdout)
+            .into_owned();
+    assert!(rules4.contains("-j TURNLOCK_OUTPUT"), "{rules4}");
+    let rules6 = Command::new("ip")
+        .args(["netns", "exec", &bare_pod, "ip6tables", "-t", "nat", "-S"])
+        .output()
+        .expect("ip6tables");
+    assert!(
+        !String::from_utf8_lossy(&rules6.stdout).contains("TURNLOCK"),
+        "IPv6 rules installed in a namespace without IPv6"
+    );
+}

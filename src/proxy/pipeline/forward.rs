@@ -34,7 +34,7 @@ pub(super) async fn serialize_batch(
     for p in batch {
         // Taken anew for each write: the turn mark is read with it.
         slot.since = None;
-        let (answer, settled) = serialize_one(s, lease, queue.turn, p, &mut slot).await;
+        let (answer, settled) = serialize_one(s, lease, queue, p, &mut slot).await;
         match settled {
             Some(settled) => slot.release(s, lease, settled).await,
             // Unknown outcome: the slot expires by itself, after the write can have landed,
@@ -55,33 +55,52 @@ pub(super) async fn serialize_batch(
 pub(super) async fn serialize_one(
     s: &Shared,
     lease: &Lease,
-    turn: u64,
+    queue: &Queue<Forwarded>,
     p: &Pending<Forwarded>,
     slot: &mut SlotHold,
 ) -> (Answer, Option<Settled>) {
+    let (turn, turn_given, resource) = (queue.turn, queue.turn_given, queue.path.as_str());
     let Forwarded {
         method,
         path_and_query,
         headers,
         body,
+        once,
     } = &p.write;
     if let Err(answer) = slot.hold(s, lease).await {
         return (answer, Some(Settled::Unchanged));
     }
-    if is_stale(turn, slot.turn_mark) {
+    // A write without a turn (on a route whose turn is optional) is not stale-checked.
+    if turn_given && is_stale(turn, slot.turn_mark) {
         let stale = MergeError::StaleTurn {
             turn,
             current: slot.turn_mark,
         };
         return (refused(s, stale), Some(Settled::Unchanged));
     }
+    let precondition = match once {
+        Some(once) => match super::once::precondition(s, resource, body, once).await {
+            Ok(p) => Some(p),
+            Err(answer) => return (answer, Some(Settled::Unchanged)),
+        },
+        None => None,
+    };
+    // Checked after the read of an object created once: the forward follows at once.
     if !lease.check() {
         return (Answer::from(WriteError::LeaseLost), Some(Settled::Unchanged));
     }
     let mut headers = headers.clone();
+    if let Some((name, value)) = precondition {
+        headers.remove(header::IF_MATCH);
+        headers.remove(header::IF_NONE_MATCH);
+        headers.insert(name, value);
+    }
     strip_hop_by_hop(&mut headers);
     headers.remove(header::HOST);
     headers.remove(header::CONTENT_LENGTH);
+    // The whole body is in hand: nothing to wait for (and a signed `Expect` would not reach
+    // every store as it was signed).
+    headers.remove(header::EXPECT);
     headers.insert(FENCING_TOKEN, HeaderValue::from(lease.fence()));
     let uri = match s.upstream.uri(path_and_query) {
         Ok(u) => u,
@@ -94,6 +113,13 @@ pub(super) async fn serialize_one(
     *req.method_mut() = method.clone();
     *req.uri_mut() = uri;
     *req.headers_mut() = headers;
+    // Signed by turnlock when it signs for this store, as a passed-through request is: the
+    // client's signature names the sidecar, not the store.
+    let (parts, req_body) = req.into_parts();
+    let req = match s.upstream.sign_forwarded(parts) {
+        Ok(parts) => Request::from_parts(parts, req_body),
+        Err(e) => return (Answer::from(WriteError::Upstream(e)), Some(Settled::Unchanged)),
+    };
     let started = Instant::now();
     let result = match s.upstream.send(req).await {
         Ok(res) => {

@@ -1,8 +1,7 @@
-//! The merge commit: read the document once, apply the batch's writes in order, write it back
-//! once under the store's `If-Match` (or the commit slot, for a store without ETags).
+//! The merge commit: read the document once under its commit slot, apply the batch's writes in
+//! order, write it back once (under the store's `If-Match` too, when it gives ETags).
 
 use std::collections::HashMap;
-use std::sync::atomic::Ordering;
 
 use bytes::Bytes;
 use http::header::{self, HeaderValue};
@@ -13,21 +12,23 @@ use tokio::time::Instant;
 use super::errors::refused;
 use super::queue::{lock, Pending, Queue};
 use super::slot::SlotHold;
-use super::{Shared, MAX_ATTEMPTS};
+use super::store_fields;
+use super::{MergeWrite, Shared, MAX_ATTEMPTS};
 use crate::http::etag_for;
 use crate::lock::{Lease, Settled};
 use crate::merge::{self, BatchDoc, DigestCache, Document, Finished, MergeError, Op, RandomIds, RawBatch, Snapshot};
 use crate::proxy::answer::Answer;
 use crate::proxy::error::WriteError;
 use crate::redis_conn::Entry;
+use crate::routes::{Dialect, VersionAt};
 use crate::session::{Scope, SessionId};
-use crate::upstream::{Precondition, UpstreamError};
+use crate::upstream::{Precondition, StoreParts, UpstreamError};
 
 pub(super) async fn merge_batch(
     s: &Shared,
-    queue: &Queue<Op>,
+    queue: &Queue<MergeWrite>,
     lease: &Lease,
-    batch: &[Pending<Op>],
+    batch: &[Pending<MergeWrite>],
     records: &mut Vec<Entry>,
 ) -> Vec<Answer> {
     let mut slot = SlotHold::new(queue.scope.clone());
@@ -40,27 +41,29 @@ pub(super) async fn merge_batch(
     answers
 }
 
-/// How a write-back is fenced against another writer's commit of the same document.
+/// How a write-back is fenced against another writer's commit of the same document, on top
+/// of the document's commit slot in Redis (held from before the read until the store
+/// answered, for every merge commit: a store's `If-Match` may be weak or checked apart from
+/// the write, and never orders commits alone).
 #[derive(Debug)]
 enum Fence {
     /// The store's entity tag as read: a commit in between makes the store answer 412.
     IfMatch(HeaderValue),
     /// No document was read: the write may only create it.
     CreateOnly,
-    /// The store gives no entity tags: the document's commit slot in Redis, held from
-    /// before the read until the store answered, orders the commits.
+    /// The commit slot alone: the store gives no entity tags, or keeps the version in the
+    /// document (`_rev`, written back in the body).
     CommitSlot,
 }
 
 impl Fence {
-    /// The fence for a write-back of what was read; `None` when the read does not allow one
-    /// (a document without an entity tag read outside the commit slot: read it again under
-    /// the slot).
-    fn after_read(found: bool, etag: Option<HeaderValue>, slot_held: bool) -> Option<Self> {
-        match (found, etag) {
-            (false, _) => Some(Self::CreateOnly),
-            (true, Some(tag)) => Some(Self::IfMatch(tag)),
-            (true, None) => slot_held.then_some(Self::CommitSlot),
+    /// The fence for a write-back of what was read, in the store's dialect (see
+    /// [`store_fields::precondition`]).
+    fn after_read(dialect: &Dialect, found: bool, etag: Option<HeaderValue>) -> Self {
+        match store_fields::precondition(dialect, found, etag) {
+            Precondition::IfMatch(tag) => Self::IfMatch(tag),
+            Precondition::Absent => Self::CreateOnly,
+            Precondition::None => Self::CommitSlot,
         }
     }
 
@@ -75,9 +78,9 @@ impl Fence {
 
 pub(super) async fn merge_attempts(
     s: &Shared,
-    queue: &Queue<Op>,
+    queue: &Queue<MergeWrite>,
     lease: &Lease,
-    batch: &[Pending<Op>],
+    batch: &[Pending<MergeWrite>],
     records: &mut Vec<Entry>,
     slot: &mut SlotHold,
 ) -> (Vec<Answer>, bool) {
@@ -87,43 +90,47 @@ pub(super) async fn merge_attempts(
     let mut attempt = 0;
     loop {
         attempt += 1;
-        // Without ETags the document is read under its commit slot: what is read is then the
-        // latest commit (or what the store holds after a change made behind turnlock's back,
-        // such as a delete), and nothing is committed between this read and this write.
-        if !s.etags_seen.load(Ordering::Relaxed) {
-            if let Err(answer) = slot.hold(s, lease).await {
-                return (vec![answer; batch.len()], false);
-            }
+        // The document is read under its commit slot, whether or not the store gives ETags:
+        // writers of different turns hold different locks, and a store's `If-Match` may be
+        // weak (an ETag of size and whole-second mtime) or checked apart from the write. What
+        // is read is then the latest commit (or what the store holds after a change made
+        // behind turnlock's back, such as a delete), and nothing is committed between this
+        // read and this write; the store's precondition is checked on top.
+        if let Err(answer) = slot.hold(s, lease).await {
+            return (vec![answer; batch.len()], false);
         }
-        let fetched = match s.upstream.get_document_raw(path).await {
+        let store = store_parts(batch);
+        let dialect = store.dialect;
+        let fetched = match s.upstream.get_document_raw_with(path, store).await {
             Ok(f) => f,
             Err(e) => return (vec![Answer::from(WriteError::Upstream(e)); batch.len()], false),
         };
-        if fetched.etag.is_some() {
-            s.etags_seen.store(true, Ordering::Relaxed);
-        }
-        let Some(fence) = Fence::after_read(fetched.body.is_some(), fetched.etag, slot.held()) else {
-            // A document without an ETag from a store that gave them: read again under the slot.
-            if let Err(answer) = slot.hold(s, lease).await {
-                return (vec![answer; batch.len()], false);
-            }
-            continue;
-        };
         let created = fetched.body.is_none();
+        let fence = Fence::after_read(dialect, !created, fetched.etag.clone());
         // A batch of appends to a stored document is merged on the store's raw JSON; any
-        // other batch (or a document the raw merge does not take) on parsed values.
+        // other batch (or a document the raw merge does not take) on parsed values. The raw
+        // merge keeps every field as stored, so a dialect with fields of its own (`_id`,
+        // `_rev`: set apart before the merge, the version put back in the body), a write
+        // naming the store's own entity tag, and writes without a turn (merged at the stored
+        // turn) take the parsed path. Reads and write-backs are signed either way.
         let digests = s.digest_cache(path);
+        let raw_fits = queue.turn_given
+            && dialect.managed_fields.is_empty()
+            && matches!(dialect.version, VersionAt::EtagHeader)
+            && batch
+                .iter()
+                .all(|p| matches!(p.write.op, Op::Append { .. }) && p.write.store.if_match.is_none());
         let raw = fetched
             .body
             .as_deref()
-            .filter(|_| batch.iter().all(|p| matches!(p.write, Op::Append { .. })))
+            .filter(|_| raw_fits)
             .and_then(|bytes| RawBatch::parse(session, bytes, &lock(&digests)));
         let (merged, results, current_version) = match raw {
             Some(mut doc) => {
                 let version = doc.version();
                 let results: Vec<_> = batch
                     .iter()
-                    .map(|p| match &p.write {
+                    .map(|p| match &p.write.op {
                         Op::Append { messages } => doc.append(queue.turn, messages, &mut RandomIds),
                         _ => Err(MergeError::NotFound),
                     })
@@ -135,10 +142,15 @@ pub(super) async fn merge_attempts(
                     Ok(current) => current,
                     Err(e) => return (vec![Answer::from(WriteError::Upstream(e)); batch.len()], false),
                 };
+                // The store's own fields are the store's: out of the merge, put back on the write.
+                let (mut current, managed) = store_fields::split(dialect, current);
+                let tag = store_fields::version_tag(dialect, fetched.etag.as_ref(), &managed);
+                let mut bases = load_bases(s, &queue.scope, batch, current.as_ref()).await;
+                changed_behind_our_back(s, &queue.scope, batch, &mut current, &mut bases).await;
                 let current_version = current.as_ref().map(merge::version_of).unwrap_or(0);
-                let bases = load_bases(s, &queue.scope, batch, current.as_ref()).await;
-                let (doc, results) = apply_batch(session, queue.turn, current, batch, &bases);
-                (Merged::Values(doc), results, current_version)
+                let turn = queue.turn_given.then_some(queue.turn);
+                let (doc, results) = apply_batch(session, turn, current, tag.as_ref(), batch, &bases);
+                (Merged::Values(doc, managed), results, current_version)
             }
         };
         let refusals = |results: Vec<Result<merge::Applied, MergeError>>, on_ok: &Answer| -> Vec<Answer> {
@@ -166,7 +178,7 @@ pub(super) async fn merge_attempts(
         // One write-back: the whole batch is one new version, whatever it merged.
         let new_version = current_version + 1;
         // A document gets its life when turnlock first writes it (see `merge::LIFE`).
-        let (written, body) = merged.finish(new_version, lease.fence());
+        let (written, body) = merged.finish(dialect, new_version, lease.fence());
         if body.len() > s.settings.max_document_bytes {
             return (
                 refusals(
@@ -181,7 +193,7 @@ pub(super) async fn merge_attempts(
         }
         match s
             .upstream
-            .put_document(path, body, &fence.precondition(), lease.fence())
+            .put_document_with(path, body, &fence.precondition(), lease.fence(), store)
             .await
         {
             Ok(etag) => {
@@ -231,7 +243,8 @@ pub(super) async fn merge_attempts(
 
 /// A batch merged, to write back.
 enum Merged<'a> {
-    Values(Document),
+    /// Merged on parsed values, with the store-managed fields set apart before the merge.
+    Values(Document, store_fields::Managed),
     Raw(RawBatch<'a>),
 }
 
@@ -242,13 +255,19 @@ enum Written<'a> {
 }
 
 impl<'a> Merged<'a> {
-    /// Sets the version (and the life, when the document has none) and writes the document out.
-    fn finish(self, version: u64, life: u64) -> (Written<'a>, Bytes) {
+    /// Sets the version (and the life, when the document has none) and writes the document
+    /// out in the store's dialect (its own fields kept out, its version put back).
+    fn finish(self, dialect: &Dialect, version: u64, life: u64) -> (Written<'a>, Bytes) {
         match self {
-            Merged::Values(mut doc) => {
+            Merged::Values(mut doc, managed) => {
                 doc.insert("version".into(), json!(version));
                 doc.entry(merge::LIFE).or_insert_with(|| json!(life));
-                let body = Bytes::from(serde_json::to_vec(&doc).unwrap_or_default());
+                store_fields::strip(dialect, &mut doc);
+                let body = match store_fields::for_store(dialect, &doc, &managed) {
+                    Some(out) => serde_json::to_vec(&out),
+                    None => serde_json::to_vec(&doc),
+                };
+                let body = Bytes::from(body.unwrap_or_default());
                 (Written::Values(doc), body)
             }
             Merged::Raw(doc) => {
@@ -276,30 +295,137 @@ impl Written<'_> {
     }
 }
 
+/// What the write-back keeps of the batch's requests: the last write's (its headers, and its
+/// store's dialect).
+fn store_parts(batch: &[Pending<MergeWrite>]) -> &StoreParts {
+    static NONE: std::sync::OnceLock<StoreParts> = std::sync::OnceLock::new();
+    batch
+        .last()
+        .map(|p| &p.write.store)
+        .unwrap_or_else(|| NONE.get_or_init(StoreParts::default))
+}
+
+/// A write that names the store's own entity tag (`If-Match` in the store's format): refused
+/// as the store would refuse it unless the document is still at that tag, and then merged
+/// against that version. A write to a foreign store's document that turnlock never wrote,
+/// based on no version: merged against that document. Any other write as it is.
+fn with_store_precondition<'a>(
+    write: &'a MergeWrite,
+    on: Option<&Document>,
+    etag: Option<&HeaderValue>,
+    first: bool,
+) -> Result<std::borrow::Cow<'a, Op>, MergeError> {
+    let (op, store) = (&write.op, &write.store);
+    let Some(wanted) = &store.if_match else {
+        // A document turnlock never wrote (no `version`) has one version it knows: the
+        // store's own. A copy of it that names no version is based on it.
+        return Ok(match (op, on) {
+            (
+                Op::Put {
+                    doc,
+                    base_version: None,
+                },
+                Some(cur),
+            ) if !store.dialect.answers_natively() && !cur.contains_key("version") => {
+                std::borrow::Cow::Owned(Op::Put {
+                    doc: doc.clone(),
+                    base_version: Some(0),
+                })
+            }
+            _ => std::borrow::Cow::Borrowed(op),
+        });
+    };
+    let Some(doc) = on else {
+        return Err(MergeError::NotFound);
+    };
+    let current = merge::version_of(doc);
+    // Only the first write of the batch can still see the document at the tag it names.
+    let any = wanted.as_bytes() == b"*";
+    let same = etag.is_some_and(|tag| store_fields::bare(tag.as_bytes()) == store_fields::bare(wanted.as_bytes()));
+    if !any && (!first || !same) {
+        return Err(MergeError::VersionMismatch {
+            expected: None,
+            current,
+        });
+    }
+    Ok(match op {
+        Op::Put {
+            doc,
+            base_version: None,
+        } => std::borrow::Cow::Owned(Op::Put {
+            doc: doc.clone(),
+            base_version: Some(current),
+        }),
+        other => std::borrow::Cow::Borrowed(other),
+    })
+}
+
 /// Applies a batch's writes one after another, in place, to the document read (`None` when
 /// absent): one document per batch, never copied for an append, each write getting its own
-/// result.
+/// result. `turn` is the batch's turn; `None` for writes that named none (on a route whose
+/// turn is optional): each is merged at the stored turn, so it is never stale and moves no
+/// turn. `etag` is the one the store gave the current document (for writes naming the
+/// store's own).
 pub(super) fn apply_batch(
     session: &SessionId,
-    turn: u64,
+    turn: Option<u64>,
     current: Option<Document>,
-    batch: &[Pending<Op>],
+    etag: Option<&HeaderValue>,
+    batch: &[Pending<MergeWrite>],
     bases: &HashMap<u64, Snapshot>,
 ) -> (Document, Vec<Result<merge::Applied, MergeError>>) {
     let mut doc = BatchDoc::new(session, current, &mut RandomIds);
     let results = batch
         .iter()
-        .map(|p| {
-            let base = match &p.write {
+        .enumerate()
+        .map(|(i, p)| {
+            let turn = turn.unwrap_or_else(|| doc.current().map(merge::turn_of).unwrap_or(0));
+            let op = with_store_precondition(&p.write, doc.current(), etag, i == 0)?;
+            let base = match op.as_ref() {
                 Op::Put {
                     base_version: Some(v), ..
                 } => bases.get(v),
                 _ => None,
             };
-            doc.apply(turn, &p.write, base, &mut RandomIds)
+            doc.apply(turn, op.as_ref(), base, &mut RandomIds)
         })
         .collect();
     (doc.into_document(), results)
+}
+
+/// A stored document that differs from what turnlock committed as its version (a writer
+/// reached the store without the sidecar and kept the `version` it read) is a newer version:
+/// a merged PUT based on that version is merged against what turnlock committed, so the
+/// other writer's change is kept rather than taken as deleted by the client. Checked only
+/// when a write of the batch is based on the current version (one Redis read).
+async fn changed_behind_our_back(
+    s: &Shared,
+    scope: &Scope,
+    batch: &[Pending<MergeWrite>],
+    current: &mut Option<Document>,
+    bases: &mut HashMap<u64, Snapshot>,
+) {
+    let Some(doc) = current.as_mut() else { return };
+    let v = merge::version_of(doc);
+    let based_on_current = batch.iter().any(|p| {
+        matches!(
+            &p.write.op,
+            Op::Put { base_version: Some(b), .. } if *b == v && v > 0
+        )
+    });
+    if !based_on_current {
+        return;
+    }
+    let Ok(Some(bytes)) = s.records.get(&scope.history(v)).await else {
+        return;
+    };
+    let Ok(committed) = serde_json::from_slice::<Snapshot>(&bytes) else {
+        return;
+    };
+    if committed != Snapshot::of(doc) {
+        doc.insert("version".into(), json!(v + 1));
+        bases.insert(v, committed);
+    }
 }
 
 /// The snapshots of the versions that merged PUTs in the batch were based on. The current
@@ -311,7 +437,7 @@ pub(super) fn apply_batch(
 pub(super) async fn load_bases(
     s: &Shared,
     scope: &Scope,
-    batch: &[Pending<Op>],
+    batch: &[Pending<MergeWrite>],
     current: Option<&Document>,
 ) -> HashMap<u64, Snapshot> {
     let current_version = current.map(merge::version_of).unwrap_or(0);
@@ -319,7 +445,7 @@ pub(super) async fn load_bases(
     for p in batch {
         if let Op::Put {
             base_version: Some(v), ..
-        } = &p.write
+        } = &p.write.op
         {
             let v = *v;
             if v == 0 || v > current_version || bases.contains_key(&v) {

@@ -14,12 +14,12 @@
 //!
 //! Writers of different turns hold different locks. Their commits of one document are
 //! ordered by the document's commit slot in Redis (see `slot_take.lua`): taken before the
-//! read, given back once the store answered. Every serialized write and every merge write to
-//! a store without ETags goes through it; with a store that answers ETags, `If-Match` orders
-//! merge writes and the slot is skipped.
+//! read, given back once the store answered. Every write goes through it: the order of commits
+//! never rests on the store's `If-Match` alone (a store's ETag may be weak, its check not
+//! atomic with the write), which is checked on top.
 
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -44,8 +44,10 @@ mod errors;
 mod forward;
 mod idempotency;
 mod merge_commit;
+mod once;
 mod queue;
 mod slot;
+mod store_fields;
 
 use self::errors::unanswered;
 use self::forward::{delete_batch, serialize_batch};
@@ -97,7 +99,7 @@ struct Shared {
     keys: Keys,
     metrics: Metrics,
     settings: Settings,
-    merges: DashMap<String, Arc<Queue<Op>>>,
+    merges: DashMap<String, Arc<Queue<MergeWrite>>>,
     deletes: DashMap<String, Arc<Queue<http::HeaderMap>>>,
     serializes: DashMap<String, Arc<Queue<Forwarded>>>,
     /// One gate per session with a leader in this process: leaders of different turns of one
@@ -109,9 +111,6 @@ struct Shared {
     /// What is known of the messages of the documents this proxy committed last (see
     /// [`crate::merge::DigestCache`]), by document; at most [`DIGEST_CACHES`] documents.
     digests: DashMap<String, Arc<Mutex<crate::merge::DigestCache>>>,
-    /// Set once the store answered a read with an ETag: its `If-Match` then orders merge
-    /// writes, and they skip the commit slot.
-    etags_seen: AtomicBool,
 }
 
 // === impl Shared ===
@@ -154,7 +153,6 @@ impl Pipeline {
                 gates: DashMap::new(),
                 tracker: TaskTracker::new(),
                 next_id: AtomicU64::new(1),
-                etags_seen: AtomicBool::new(false),
                 digests: DashMap::new(),
             }),
         }
@@ -211,6 +209,7 @@ impl Pipeline {
         let WriteRequest {
             session,
             turn,
+            turn_given,
             action,
             idempotency,
             ..
@@ -218,6 +217,7 @@ impl Pipeline {
         let head = Head {
             session,
             turn,
+            turn_given,
             idempotency,
             claim,
             deadline,
@@ -227,7 +227,10 @@ impl Pipeline {
         // address: proxies may reach one store under different names (a relay, a load
         // balancer, an IP or a host name), and must still share its commit order.
         match action {
-            Action::Merge { op, document } => self.enqueue_as::<MergeCommit>(head, document, op).await,
+            Action::Merge { op, document, store } => {
+                self.enqueue_as::<MergeCommit>(head, document, MergeWrite { op, store })
+                    .await
+            }
             Action::Delete { document, headers } => self.enqueue_as::<DeleteCommit>(head, document, headers).await,
             // The resource is named by the route's path, whatever spelling the client sent.
             Action::Serialize {
@@ -236,12 +239,14 @@ impl Pipeline {
                 path_and_query,
                 headers,
                 body,
+                once,
             } => {
                 let write = Forwarded {
                     method,
                     path_and_query,
                     headers,
                     body,
+                    once,
                 };
                 self.enqueue_as::<SerializeCommit>(head, resource, write).await
             }
@@ -253,7 +258,10 @@ impl Pipeline {
     async fn enqueue_as<C: Committer>(&self, head: Head, path: String, write: C::Write) -> Answer {
         let s = &self.shared;
         let lock_key = s.keys.lock(&head.session, head.turn);
-        let queue_key = format!("{lock_key} {} {path}", C::KIND);
+        // Writes without a turn (on a route whose turn is optional) share the lock of turn 0
+        // but not its queue: they are not stale-checked.
+        let given = if head.turn_given { "" } else { " untimed" };
+        let queue_key = format!("{lock_key} {}{given} {path}", C::KIND);
         let id = s.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, mut rx) = oneshot::channel();
         let queue = C::queues(s)
@@ -263,6 +271,7 @@ impl Pipeline {
                     scope: s.keys.scope(&head.session, &path),
                     session: head.session.clone(),
                     turn: head.turn,
+                    turn_given: head.turn_given,
                     lock_key,
                     path,
                     state: Mutex::new(QueueState::default()),
@@ -311,6 +320,7 @@ impl Pipeline {
 struct Head {
     session: SessionId,
     turn: u64,
+    turn_given: bool,
     idempotency: Option<crate::proxy::request::Idempotency>,
     claim: Option<(String, Bytes)>,
     deadline: Instant,
@@ -353,19 +363,28 @@ pub(super) struct Forwarded {
     pub(super) path_and_query: String,
     pub(super) headers: http::HeaderMap,
     pub(super) body: Bytes,
+    /// Set on a route whose objects are created once (see `once`).
+    pub(super) once: Option<crate::proxy::request::Once>,
+}
+
+/// A merge write: its change, and what the write-back keeps of its request in the store's
+/// dialect (headers, credentials, the store's own `If-Match`).
+pub(super) struct MergeWrite {
+    pub(super) op: Op,
+    pub(super) store: crate::upstream::StoreParts,
 }
 
 impl Committer for MergeCommit {
-    type Write = Op;
+    type Write = MergeWrite;
     const KIND: &'static str = "merge";
-    fn queues(s: &Shared) -> &DashMap<String, Arc<Queue<Op>>> {
+    fn queues(s: &Shared) -> &DashMap<String, Arc<Queue<MergeWrite>>> {
         &s.merges
     }
     fn commit<'a>(
         s: &'a Shared,
-        queue: &'a Queue<Op>,
+        queue: &'a Queue<MergeWrite>,
         lease: &'a Lease,
-        batch: &'a [Pending<Op>],
+        batch: &'a [Pending<MergeWrite>],
         records: &'a mut Vec<Entry>,
     ) -> impl Future<Output = Vec<Answer>> + Send + 'a {
         merge_batch(s, queue, lease, batch, records)

@@ -18,6 +18,9 @@ pub(super) struct Queue<W> {
     pub(super) session: SessionId,
     /// The turn of every write in the queue (it is part of the lock key).
     pub(super) turn: u64,
+    /// Whether the queue's writes named their turn: writes without one (on a route whose
+    /// turn is optional) are queued apart, at turn 0, and are not stale-checked.
+    pub(super) turn_given: bool,
     pub(super) lock_key: String,
     /// What the queue's writes protect, as a path on the store: the document, or the
     /// serialize route's resource.
@@ -137,6 +140,7 @@ mod tests {
             scope: Keys::new("t:").scope(&session, "/v1/sessions/s-1"),
             session,
             turn: 1,
+            turn_given: true,
             lock_key: "t:session:{s-1}:1".into(),
             path: "/v1/sessions/s-1".into(),
             state: Mutex::new(QueueState::default()),

@@ -6,6 +6,8 @@
 pub mod ledger;
 pub mod relay;
 mod stores;
+pub mod third_party;
+pub mod tls;
 
 pub use stores::{front_store, serve, PutDelay};
 

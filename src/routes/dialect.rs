@@ -1,0 +1,191 @@
+//! What turnlock knows of each store's protocol, in one place and as data: where the version
+//! lives and how the precondition is sent, which answers to a write-back mean "the document
+//! moved: re-read and re-merge", which fields the store manages, which of the client's
+//! headers the write-back keeps, and in which form the client is answered.
+//!
+//! Chosen in the routes file (`[store] dialect = "http" | "s3" | "couchdb"`); the canonical
+//! API is always `http`.
+
+use serde::Deserialize;
+
+/// The dialects a routes file can name.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DialectName {
+    /// ETag and `If-Match`, 412 on conflict; answered in turnlock's JSON.
+    #[default]
+    Http,
+    /// S3-compatible object stores: conditional writes, answered as S3 answers.
+    S3,
+    /// CouchDB-style document stores: `_rev` in the body, 409 on conflict.
+    Couchdb,
+}
+
+/// Where a store keeps a document's version, and how a write-back states the one it read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum VersionAt {
+    /// The `ETag` of a read; the write-back sends `If-Match` (or `If-None-Match: *` to create).
+    EtagHeader,
+    /// A body field (`_rev`), sent back in the written document.
+    BodyField(&'static str),
+}
+
+/// In which form a client is answered.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AnswerForm {
+    /// turnlock's JSON: `{"session", "turn", "version", …}`, errors `{"error", "message"}`.
+    Turnlock,
+    /// As S3 answers a `PutObject`: an empty 200 with the object's `ETag`; refusals as S3
+    /// XML errors (`PreconditionFailed`, `SlowDown`, …) that SDKs raise as such.
+    S3,
+    /// As CouchDB answers a document `PUT`: `{"ok":true,"id":…,"rev":…}`; refusals as
+    /// `{"error":…,"reason":…}`.
+    Couchdb,
+}
+
+/// One store protocol.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Dialect {
+    pub name: &'static str,
+    pub version: VersionAt,
+    /// Write-back statuses that mean the document moved since it was read: re-read, re-merge.
+    pub conflict_statuses: &'static [u16],
+    /// Fields the store sets itself: never merged as the application's, never a conflict.
+    pub managed_fields: &'static [&'static str],
+    /// The client's headers the write-back carries (names, or prefixes ending in `*`),
+    /// besides the content type and `Authorization`.
+    pub kept_headers: &'static [&'static str],
+    /// Request headers never carried: they describe the client's body, not the merged one.
+    pub dropped_headers: &'static [&'static str],
+    pub answer: AnswerForm,
+}
+
+pub const HTTP: Dialect = Dialect {
+    name: "http",
+    version: VersionAt::EtagHeader,
+    conflict_statuses: &[412],
+    managed_fields: &[],
+    kept_headers: &[],
+    dropped_headers: &[],
+    answer: AnswerForm::Turnlock,
+};
+
+pub const S3: Dialect = Dialect {
+    name: "s3",
+    version: VersionAt::EtagHeader,
+    // 409 ConditionalRequestConflict: a concurrent conditional write won the race.
+    conflict_statuses: &[412, 409],
+    managed_fields: &[],
+    kept_headers: &[
+        "x-amz-meta-*",
+        "x-amz-server-side-encryption*",
+        "x-amz-storage-class",
+        "x-amz-acl",
+        "x-amz-tagging",
+        "x-amz-security-token",
+        "x-amz-date",
+        "cache-control",
+        "content-disposition",
+        "content-language",
+        "expires",
+    ],
+    dropped_headers: &[
+        "content-md5",
+        "x-amz-checksum-*",
+        "x-amz-sdk-checksum-algorithm",
+        "x-amz-trailer",
+        "x-amz-decoded-content-length",
+        "x-amz-content-sha256",
+        "content-encoding",
+        "if-match",
+        "if-none-match",
+    ],
+    answer: AnswerForm::S3,
+};
+
+pub const COUCHDB: Dialect = Dialect {
+    name: "couchdb",
+    version: VersionAt::BodyField("_rev"),
+    conflict_statuses: &[409, 412],
+    managed_fields: &["_id", "_rev"],
+    kept_headers: &[],
+    dropped_headers: &["if-match"],
+    answer: AnswerForm::Couchdb,
+};
+
+impl DialectName {
+    pub fn dialect(self) -> &'static Dialect {
+        match self {
+            Self::Http => &HTTP,
+            Self::S3 => &S3,
+            Self::Couchdb => &COUCHDB,
+        }
+    }
+}
+
+impl Dialect {
+    /// Whether a write-back answered `status` met a newer version (re-read and re-merge).
+    pub fn is_conflict(&self, status: u16) -> bool {
+        self.conflict_statuses.contains(&status)
+    }
+
+    /// Whether the client's header `name` (lower case) goes on the write-back.
+    pub fn keeps(&self, name: &str) -> bool {
+        let listed = |list: &[&str]| {
+            list.iter().any(|p| match p.strip_suffix('*') {
+                Some(prefix) => name.starts_with(prefix),
+                None => name == *p,
+            })
+        };
+        if listed(self.dropped_headers) {
+            return false;
+        }
+        name == "authorization" || name == "content-type" || listed(self.kept_headers)
+    }
+
+    /// Whether the store manages `field` itself.
+    pub fn manages(&self, field: &str) -> bool {
+        self.managed_fields.contains(&field)
+    }
+
+    /// Whether the client is answered in turnlock's own form.
+    pub fn answers_natively(&self) -> bool {
+        self.answer == AnswerForm::Turnlock
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn s3_keeps_metadata_and_credentials_but_not_the_body_checksums() {
+        for kept in [
+            "x-amz-meta-owner",
+            "x-amz-server-side-encryption",
+            "x-amz-server-side-encryption-aws-kms-key-id",
+            "authorization",
+            "content-type",
+        ] {
+            assert!(S3.keeps(kept), "{kept}");
+        }
+        for dropped in [
+            "content-md5",
+            "x-amz-checksum-crc32",
+            "if-match",
+            "host",
+            "x-fencing-token",
+        ] {
+            assert!(!S3.keeps(dropped), "{dropped}");
+        }
+    }
+
+    #[test]
+    fn each_dialect_names_its_conflicts_and_managed_fields() {
+        assert!(HTTP.is_conflict(412) && !HTTP.is_conflict(409));
+        assert!(S3.is_conflict(412) && S3.is_conflict(409));
+        assert!(COUCHDB.is_conflict(409));
+        assert!(COUCHDB.manages("_rev") && COUCHDB.manages("_id") && !S3.manages("_rev"));
+        assert_eq!(DialectName::default().dialect(), &HTTP);
+    }
+}

@@ -1,0 +1,87 @@
+"""GET-modify-PUT session agents on a CouchDB-style store, as agent code writes them.
+
+Each agent, for each of its writes: GET the document, append one message with its own id, PUT
+the whole document back with the `_rev` it read. On 409 it does what agents commonly do:
+even agents "take the latest _rev and PUT my copy again" (up to 5 times), odd agents read
+again and re-apply their change. Agents are spread over the endpoints given. Prints one JSON
+line: the ids of the writes the store answered 2xx, the other answers, and the 409s met.
+
+usage: couch_agents.py ENDPOINTS DOC_PATH AGENTS WRITES [DIRECT]
+
+With DIRECT, one more agent writes straight to the store at DIRECT, re-reading on its 409s
+(a careful writer beside the sidecars).
+"""
+import json
+import random
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+endpoints = sys.argv[1].split(",")
+path = sys.argv[2]
+agents, writes = int(sys.argv[3]), int(sys.argv[4])
+direct = sys.argv[5] if len(sys.argv) > 5 else None
+
+lock = threading.Lock()
+acked, errors, conflicts, answers = [], [], [0], []
+
+
+def call(method, url, doc=None):
+    data = json.dumps(doc).encode() if doc is not None else None
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        body = e.read()
+        try:
+            return e.code, json.loads(body)
+        except ValueError:
+            return e.code, body.decode(errors="replace")
+
+
+def agent(i, base=None):
+    url = (base or endpoints[i % len(endpoints)]) + path
+    rng = random.Random(i)
+    for k in range(writes):
+        mid = f"a{i}-{k}"
+        status, doc = call("GET", url)
+        if status != 200:
+            with lock:
+                errors.append({"id": mid, "status": status, "body": doc})
+            continue
+        doc.setdefault("messages", []).append({"id": mid, "role": "user", "content": f"agent {i} write {k}"})
+        time.sleep(rng.random() * 0.004)
+        # A careful writer re-reads as often as it takes; the others give up after 6 tries.
+        for _ in range(100 if base else 6):
+            status, answer = call("PUT", url, doc)
+            if status != 409:
+                break
+            with lock:
+                conflicts[0] += 1
+            _, latest = call("GET", url)
+            if i % 2 == 0 and base is None:
+                doc["_rev"] = latest["_rev"]  # my copy again, with the latest _rev
+            else:
+                latest.setdefault("messages", []).append(doc["messages"][-1])
+                doc = latest
+        if 200 <= status < 300:
+            with lock:
+                acked.append(mid)
+                answers.append(answer)
+        else:
+            with lock:
+                errors.append({"id": mid, "status": status, "body": answer})
+
+
+threads = [threading.Thread(target=agent, args=(i,)) for i in range(agents)]
+if direct:
+    threads.append(threading.Thread(target=agent, args=(agents, direct)))
+for t in threads:
+    t.start()
+for t in threads:
+    t.join(timeout=120)
+status, final = call("GET", endpoints[-1] + path)
+print(json.dumps({"acked": acked, "errors": errors, "conflicts": conflicts[0], "answers": answers[:3], "final": final}))
