@@ -267,6 +267,9 @@ impl ProxyArgs {
         if self.key_prefix.contains(['*', '?', '[', ']']) {
             return err("--key-prefix may not contain Redis glob characters");
         }
+        if self.key_prefix.contains(['{', '}']) {
+            return err("--key-prefix may not contain '{' or '}': the session id is the keys' Redis Cluster hash tag");
+        }
         Ok(())
     }
 
@@ -324,5 +327,23 @@ impl ProxyArgs {
             redis_username: None,
             redis_password_file: None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_key_prefix_with_a_hash_tag_brace_is_refused() {
+        for prefix in ["tl{", "}tl:", "{a}:"] {
+            let mut args = ProxyArgs::local("http://127.0.0.1:1".into());
+            args.key_prefix = prefix.into();
+            let e = args.validate().expect_err(prefix);
+            assert!(e.to_string().contains("hash tag"), "{prefix}: {e}");
+        }
+        let mut args = ProxyArgs::local("http://127.0.0.1:1".into());
+        args.key_prefix = "team-a:turnlock:".into();
+        assert!(args.validate().is_ok());
     }
 }

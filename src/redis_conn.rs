@@ -13,12 +13,14 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use redis::aio::{MultiplexedConnection, PubSub};
+use redis::cluster::{ClusterClient, ClusterClientBuilder};
+use redis::cluster_async::ClusterConnection;
 use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelNodeConnectionInfo, SentinelServerType};
 use redis::{AsyncConnectionConfig, Client, ConnectionAddr, ConnectionInfo, RedisConnectionInfo, RedisError, TlsMode};
 use tokio::sync::Mutex;
 
 use crate::redis_tls::{ConnectError, Tls, TlsFiles};
-use crate::redis_url::{SentinelSpec, Target};
+use crate::redis_url::{ClusterSpec, SentinelSpec, Target};
 
 /// How long one command may take before the connection is treated as broken.
 pub const DEFAULT_RESPONSE_TIMEOUT: Duration = Duration::from_millis(500);
@@ -71,13 +73,14 @@ struct Inner {
     config: AsyncConnectionConfig,
     /// Bounds the TCP connect, the TLS handshake and the connection's own handshake.
     connect_timeout: Duration,
+    response_timeout: Duration,
     tls: Option<Tls>,
     options: ConnOptions,
     /// When the TLS files were last looked at (microseconds on `progress`' clock).
     reload_checked_us: AtomicU64,
     /// The current connection: read on every command (a brief shared lock, never held across
     /// an await), replaced after a failure.
-    current: std::sync::RwLock<Option<MultiplexedConnection>>,
+    current: std::sync::RwLock<Option<Conn>>,
     /// Serializes reconnecting, so a burst of failures opens one new connection.
     connecting: Mutex<()>,
     display: String,
@@ -121,7 +124,76 @@ enum Source {
         /// The TLS files changed: the Sentinel client is rebuilt with them before its next use.
         stale: AtomicBool,
     },
+    /// A Redis Cluster: commands are routed by their first key, and follow `MOVED`/`ASK`
+    /// redirects and failovers within the client's bounded retries.
+    Cluster {
+        client: Box<ClusterClient>,
+        spec: ClusterSpec,
+        tls: bool,
+    },
 }
+
+/// A connection commands are sent on: one server's, or a cluster's (each command routed to
+/// the primary of its first key's slot).
+#[derive(Clone)]
+pub enum Conn {
+    Single(MultiplexedConnection),
+    Cluster(ClusterConnection),
+}
+
+impl redis::aio::ConnectionLike for Conn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a redis::Cmd) -> redis::RedisFuture<'a, redis::Value> {
+        match self {
+            Self::Single(c) => c.req_packed_command(cmd),
+            Self::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
+        match self {
+            Self::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            Self::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Self::Single(c) => c.get_db(),
+            Self::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+impl Conn {
+    /// `WAIT replicas timeout_ms` on the primary that holds `key` (on one server, that
+    /// server): the replicas a cluster primary counts are its own.
+    pub async fn wait_for_replicas(&mut self, key: &str, replicas: u32, timeout_ms: u64) -> Result<i64, RedisError> {
+        let mut wait = redis::cmd("WAIT");
+        wait.arg(replicas).arg(timeout_ms);
+        match self {
+            Self::Single(c) => wait.query_async(c).await,
+            Self::Cluster(c) => {
+                use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
+                let primary = Route::new(crate::session::cluster_slot(key.as_bytes()), SlotAddr::Master);
+                let node = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(primary));
+                let reply = c.route_command(wait, node).await?;
+                redis::from_redis_value(reply).map_err(RedisError::from)
+            }
+        }
+    }
+}
+
+/// How many times a cluster command is retried (after a `MOVED`, `TRYAGAIN`, a lost node…)
+/// and how long the client waits between tries: a few short waits, so a command ends within
+/// a lock budget instead of redis-rs' default of 16 tries over seconds.
+const CLUSTER_RETRIES: u32 = 3;
+const CLUSTER_MIN_RETRY_WAIT_MS: u64 = 5;
+const CLUSTER_MAX_RETRY_WAIT_MS: u64 = 100;
 
 /// A failed connection attempt: whether Redis refused us or could not be reached.
 enum Failure {
@@ -170,7 +242,7 @@ impl RedisConn {
         let tls_flags = options.tls != TlsFiles::default();
         if tls_flags && !target.tls() {
             return Err(ConnError::Setting(
-                "--redis-ca, --redis-cert, --redis-key and --redis-tls-server-name need a rediss:// or rediss+sentinel:// URL"
+                "--redis-ca, --redis-cert, --redis-key and --redis-tls-server-name need a rediss://, rediss+sentinel:// or rediss+cluster:// URL"
                     .into(),
             ));
         }
@@ -192,6 +264,19 @@ impl RedisConn {
                 },
                 _ => return Err(ConnError::Setting("rediss:// needs host:port".into())),
             },
+            Target::Cluster { spec, tls: is_tls } => {
+                if options.tls.server_name.is_some() {
+                    return Err(ConnError::Setting(
+                        "--redis-tls-server-name is not supported with rediss+cluster:// (each node is checked against the name it announces)".into(),
+                    ));
+                }
+                let client = build_cluster(&spec, is_tls, options, tls.as_ref(), response_timeout, None)?;
+                Source::Cluster {
+                    client: Box::new(client),
+                    spec,
+                    tls: is_tls,
+                }
+            }
             Target::Sentinel { spec, tls: is_tls } => Source::Sentinel {
                 client: Box::new(Mutex::new(build_sentinel(&spec, is_tls, options, tls.as_ref())?)),
                 spec,
@@ -208,6 +293,7 @@ impl RedisConn {
                 source,
                 config,
                 connect_timeout,
+                response_timeout,
                 tls,
                 options: options.clone(),
                 reload_checked_us: AtomicU64::new(0),
@@ -237,7 +323,7 @@ impl RedisConn {
     }
 
     /// A connection to the current primary, connecting (or re-resolving it) when needed.
-    pub async fn get(&self) -> Result<MultiplexedConnection, RedisError> {
+    pub async fn get(&self) -> Result<Conn, RedisError> {
         self.reload_if_due();
         if let Some(conn) = self.current() {
             return Ok(conn);
@@ -253,7 +339,7 @@ impl RedisConn {
         Ok(conn)
     }
 
-    fn current(&self) -> Option<MultiplexedConnection> {
+    fn current(&self) -> Option<Conn> {
         self.inner.current.read().ok().and_then(|c| c.clone())
     }
 
@@ -350,7 +436,19 @@ impl RedisConn {
     }
 
     /// Opens a new connection to the current primary.
-    async fn connect(&self) -> Result<MultiplexedConnection, Failure> {
+    async fn connect(&self) -> Result<Conn, Failure> {
+        if let Source::Cluster { client, .. } = &self.inner.source {
+            let connecting = client.get_async_connection();
+            return match tokio::time::timeout(self.inner.connect_timeout * 2, connecting).await {
+                Ok(r) => r.map(Conn::Cluster).map_err(Failure::of),
+                Err(_) => Err(Failure::Unreachable(io_error("no cluster node answered"))),
+            };
+        }
+        self.connect_single().await.map(Conn::Single)
+    }
+
+    /// Opens a new connection to the one server, or the primary Sentinel names.
+    async fn connect_single(&self) -> Result<MultiplexedConnection, Failure> {
         let config = &self.inner.config;
         match &self.inner.source {
             Source::Direct(info) => {
@@ -381,7 +479,38 @@ impl RedisConn {
                     _ => Err(Failure::Unreachable(io_error("Sentinel named no TLS address"))),
                 }
             }
+            Source::Cluster { .. } => Err(Failure::Refused(io_error("a cluster has no single server"))),
         }
+    }
+
+    /// Whether the URL names a Redis Cluster.
+    pub fn is_cluster(&self) -> bool {
+        matches!(self.inner.source, Source::Cluster { .. })
+    }
+
+    /// A cluster connection of its own for sharded pub/sub (`SSUBSCRIBE`, RESP3): the
+    /// messages and the client's re-subscriptions after a topology change arrive on the
+    /// returned receiver.
+    pub async fn cluster_pubsub(
+        &self,
+    ) -> Result<(ClusterConnection, tokio::sync::mpsc::UnboundedReceiver<redis::PushInfo>), RedisError> {
+        let Source::Cluster { spec, tls, .. } = &self.inner.source else {
+            return Err(io_error("not a cluster URL"));
+        };
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let client = build_cluster(
+            spec,
+            *tls,
+            &self.inner.options,
+            self.inner.tls.as_ref(),
+            self.inner.config_response_timeout(),
+            Some(tx),
+        )
+        .map_err(|e| io_error(&e.to_string()))?;
+        let conn = tokio::time::timeout(self.inner.connect_timeout * 2, client.get_async_connection())
+            .await
+            .map_err(|_| io_error("no cluster node answered"))??;
+        Ok((conn, rx))
     }
 
     async fn connect_tls(
@@ -482,6 +611,7 @@ impl RedisConn {
                     _ => return Err(io_error("Sentinel named no TLS address")),
                 }
             }
+            Source::Cluster { .. } => return Err(io_error("a cluster uses sharded pub/sub (cluster_pubsub)")),
         };
         let stream = self.tls_stream(&host, port).await.map_err(Failure::into_error)?;
         let info = self.credentials(&info).map_err(Failure::into_error)?;
@@ -526,6 +656,10 @@ impl RedisConn {
     /// Forgets the current connection after an error, so the next command reconnects (and,
     /// with Sentinel, asks which server is the primary now).
     pub async fn reset(&self) {
+        if self.is_cluster() {
+            // The cluster client reconnects to each node and re-reads the slot layout itself.
+            return;
+        }
         if let Ok(mut current) = self.inner.current.write() {
             *current = None;
         }
@@ -535,7 +669,7 @@ impl RedisConn {
     /// next call reconnects.
     pub async fn run<T, F, Fut>(&self, f: F) -> Result<T, RedisError>
     where
-        F: FnOnce(MultiplexedConnection) -> Fut,
+        F: FnOnce(Conn) -> Fut,
         Fut: std::future::Future<Output = Result<T, RedisError>>,
     {
         let mut outstanding = self.inner.progress.begin();
@@ -563,7 +697,7 @@ impl RedisConn {
     /// and whether it was sent again (then a "not held" answer may mean the first attempt ran).
     pub async fn run_resent<T, F, Fut>(&self, f: F) -> Result<(T, bool), RedisError>
     where
-        F: Fn(MultiplexedConnection) -> Fut,
+        F: Fn(Conn) -> Fut,
         Fut: std::future::Future<Output = Result<T, RedisError>>,
     {
         match self.run(&f).await {
@@ -590,6 +724,59 @@ fn read_password(path: &std::path::Path) -> Result<String, String> {
         return Err(format!("--redis-password-file {} is empty", path.display()));
     }
     Ok(pw)
+}
+
+/// A cluster client for `spec`: the URL's credentials (the password file's over them, read
+/// now), TLS with the same files, and retries fitted to a lock budget. With `push`, the
+/// connection speaks RESP3 and delivers sharded pub/sub messages there.
+fn build_cluster(
+    spec: &ClusterSpec,
+    tls: bool,
+    options: &ConnOptions,
+    files: Option<&Tls>,
+    response_timeout: Duration,
+    push: Option<tokio::sync::mpsc::UnboundedSender<redis::PushInfo>>,
+) -> Result<ClusterClient, ConnError> {
+    let scheme = if tls { "rediss" } else { "redis" };
+    let nodes: Vec<String> = spec
+        .hosts
+        .iter()
+        .map(|(h, p)| format!("{scheme}://{}:{p}", crate::redis_url::bracket(h)))
+        .collect();
+    let mut builder = ClusterClientBuilder::new(nodes)
+        .retries(CLUSTER_RETRIES)
+        .min_retry_wait(CLUSTER_MIN_RETRY_WAIT_MS)
+        .max_retry_wait(CLUSTER_MAX_RETRY_WAIT_MS)
+        .retry_wait_formula(10, 2)
+        .connection_timeout(response_timeout.max(Duration::from_millis(200)))
+        .response_timeout(response_timeout);
+    let password = match &options.password_file {
+        Some(path) => Some(read_password(path).map_err(ConnError::Setting)?),
+        None => spec.password.clone(),
+    };
+    if let Some(user) = options.username.clone().or_else(|| spec.username.clone()) {
+        builder = builder.username(user);
+    }
+    if let Some(pass) = password {
+        builder = builder.password(pass);
+    }
+    if tls {
+        builder = builder.tls(TlsMode::Secure);
+        if let Some(certs) = files
+            .map(Tls::certificates)
+            .transpose()
+            .map_err(|e| ConnError::Setting(e.to_string()))?
+            .flatten()
+        {
+            builder = builder.certs(certs);
+        }
+    }
+    if let Some(tx) = push {
+        builder = builder.use_protocol(redis::ProtocolVersion::RESP3).push_sender(tx);
+    }
+    builder
+        .build()
+        .map_err(|e| ConnError::Setting(format!("Redis Cluster: {e}")))
 }
 
 /// A Sentinel client for `spec`: plaintext, or TLS to the Sentinels and the primary with the
@@ -660,6 +847,12 @@ fn build_sentinel(
 }
 
 // === impl Progress ===
+
+impl Inner {
+    fn config_response_timeout(&self) -> Duration {
+        self.response_timeout
+    }
+}
 
 impl Progress {
     fn new() -> Self {

@@ -7,7 +7,10 @@
 //! - `rediss://[user:pass@]host:port[/db]` (TLS);
 //! - `redis+sentinel://[user:pass@]host:port[,host:port…]/<primary>[/db][?sentinel_username=U&sentinel_password=P]`,
 //!   and `rediss+sentinel://…` for TLS to the Sentinels and to the primary: the credentials
-//!   before `@` and the `/db` are the primary's; the Sentinels' own go in the query.
+//!   before `@` and the `/db` are the primary's; the Sentinels' own go in the query;
+//! - `redis+cluster://[user:pass@]host:port[,host:port…]` (Redis Cluster: the nodes to learn
+//!   the cluster's layout from; the credentials are every node's), and `rediss+cluster://…`
+//!   for TLS to every node. No `/db`: a cluster has database 0 only.
 
 use redis::{ConnectionAddr, ConnectionInfo, IntoConnectionInfo};
 
@@ -26,13 +29,15 @@ pub enum Target {
     Direct { info: ConnectionInfo, tls: bool },
     /// A primary found through Sentinel.
     Sentinel { spec: SentinelSpec, tls: bool },
+    /// A Redis Cluster, found through any of its nodes.
+    Cluster { spec: ClusterSpec, tls: bool },
 }
 
 impl Target {
     /// Whether connections use TLS.
     pub fn tls(&self) -> bool {
         match self {
-            Self::Direct { tls, .. } | Self::Sentinel { tls, .. } => *tls,
+            Self::Direct { tls, .. } | Self::Sentinel { tls, .. } | Self::Cluster { tls, .. } => *tls,
         }
     }
 }
@@ -62,10 +67,18 @@ pub fn parse(url: &str) -> Result<Target, UrlError> {
         let spec = SentinelSpec::parse(rest).map_err(invalid)?;
         return Ok(Target::Sentinel { spec, tls: true });
     }
+    if let Some(rest) = url.strip_prefix("redis+cluster://") {
+        let spec = ClusterSpec::parse(rest).map_err(invalid)?;
+        return Ok(Target::Cluster { spec, tls: false });
+    }
+    if let Some(rest) = url.strip_prefix("rediss+cluster://") {
+        let spec = ClusterSpec::parse(rest).map_err(invalid)?;
+        return Ok(Target::Cluster { spec, tls: true });
+    }
     let tls = url.starts_with("rediss://");
     if !(tls || url.starts_with("redis://") || url.starts_with("unix://")) {
         return Err(invalid(
-            "expected redis://, rediss://, unix://, redis+sentinel:// or rediss+sentinel://",
+            "expected redis://, rediss://, unix://, redis+sentinel://, rediss+sentinel://, redis+cluster:// or rediss+cluster://",
         ));
     }
     if url.contains('#') {
@@ -94,6 +107,57 @@ pub fn check(url: &str) -> Result<(), String> {
     parse(url).map(|_| ()).map_err(|e| e.reason)
 }
 
+/// A parsed `redis+cluster://` URL (after the scheme).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClusterSpec {
+    /// Each starting node's `host:port` (any reachable one tells the client the layout).
+    pub hosts: Vec<(String, u16)>,
+    pub username: Option<String>,
+    pub password: Option<String>,
+}
+
+impl ClusterSpec {
+    fn parse(rest: &str) -> Result<Self, &'static str> {
+        if rest.contains(['?', '#']) {
+            return Err("a cluster URL takes no query or fragment");
+        }
+        let authority = match rest.split_once('/') {
+            None => rest,
+            Some((a, "")) => a,
+            Some(_) => return Err("a cluster URL takes no /db (a cluster has database 0 only)"),
+        };
+        let (userinfo, hosts) = match authority.rsplit_once('@') {
+            Some((u, h)) => (Some(u), h),
+            None => (None, authority),
+        };
+        let (username, password) = userinfo_parts(userinfo);
+        let hosts = hosts
+            .split(',')
+            .filter(|h| !h.is_empty())
+            .map(|h| host_port(h, 6379))
+            .collect::<Result<Vec<_>, _>>()?;
+        if hosts.is_empty() {
+            return Err("no cluster node address");
+        }
+        Ok(Self {
+            hosts,
+            username,
+            password,
+        })
+    }
+}
+
+/// `user:pass` before `@`: an empty user is none.
+fn userinfo_parts(userinfo: Option<&str>) -> (Option<String>, Option<String>) {
+    match userinfo {
+        None => (None, None),
+        Some(u) => match u.split_once(':') {
+            Some((user, pass)) => (Some(user.to_owned()).filter(|u| !u.is_empty()), Some(pass.to_owned())),
+            None => (Some(u.to_owned()).filter(|u| !u.is_empty()), None),
+        },
+    }
+}
+
 /// A parsed `redis+sentinel://` URL (after the scheme).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SentinelSpec {
@@ -119,13 +183,7 @@ impl SentinelSpec {
             Some((u, h)) => (Some(u), h),
             None => (None, authority),
         };
-        let (username, password) = match userinfo {
-            None => (None, None),
-            Some(u) => match u.split_once(':') {
-                Some((user, pass)) => (Some(user.to_owned()).filter(|u| !u.is_empty()), Some(pass.to_owned())),
-                None => (Some(u.to_owned()).filter(|u| !u.is_empty()), None),
-            },
-        };
+        let (username, password) = userinfo_parts(userinfo);
         let mut parts = path.split('/');
         let primary = parts
             .next()
@@ -155,7 +213,7 @@ impl SentinelSpec {
         let hosts = hosts
             .split(',')
             .filter(|h| !h.is_empty())
-            .map(host_port)
+            .map(|h| host_port(h, 26379))
             .collect::<Result<Vec<_>, _>>()?;
         if hosts.is_empty() {
             return Err("no sentinel address");
@@ -184,13 +242,11 @@ impl SentinelSpec {
     }
 }
 
-/// `host[:port]` (IPv6 hosts in brackets); Sentinel's own port 26379 when none is given.
-fn host_port(s: &str) -> Result<(String, u16), &'static str> {
+/// `host[:port]` (IPv6 hosts in brackets); `default_port` when none is given.
+fn host_port(s: &str, default_port: u16) -> Result<(String, u16), &'static str> {
     let (host, port) = match s.strip_prefix('[') {
         Some(v6) => {
-            let (host, after) = v6
-                .split_once(']')
-                .ok_or("an IPv6 sentinel address needs its closing ]")?;
+            let (host, after) = v6.split_once(']').ok_or("an IPv6 address needs its closing ]")?;
             (host, after.strip_prefix(':'))
         }
         None => match s.rsplit_once(':') {
@@ -199,11 +255,11 @@ fn host_port(s: &str) -> Result<(String, u16), &'static str> {
         },
     };
     let port = match port {
-        None => 26379,
-        Some(p) => p.parse::<u16>().map_err(|_| "a sentinel port is not a number")?,
+        None => default_port,
+        Some(p) => p.parse::<u16>().map_err(|_| "a port is not a number")?,
     };
     if host.is_empty() || port == 0 {
-        return Err("each sentinel needs host[:port]");
+        return Err("each address needs host[:port]");
     }
     Ok((host.to_owned(), port))
 }
@@ -225,7 +281,7 @@ fn bad_escape(s: &str) -> bool {
     })
 }
 
-fn bracket(host: &str) -> String {
+pub(crate) fn bracket(host: &str) -> String {
     if host.contains(':') {
         format!("[{host}]")
     } else {
@@ -295,6 +351,9 @@ mod tests {
             ("rediss://:pw@10.0.0.5:6380/1", true),
             ("redis+sentinel://h1:26379,h2:26380/primary", false),
             ("rediss+sentinel://h1:26379/primary/2?sentinel_password=x", true),
+            ("redis+cluster://10.0.0.1:7000,10.0.0.2:7001", false),
+            ("redis+cluster://app:pw@h1:7000/", false),
+            ("rediss+cluster://:pw@[::1]:7000,h2", true),
         ] {
             let t = parse(url).unwrap_or_else(|e| panic!("{url}: {e}"));
             assert_eq!(t.tls(), tls, "{url}");
@@ -317,12 +376,35 @@ mod tests {
             "redis+sentinel://u:%zz@h1:1/primary",
             "redis+sentinel://h1:x/primary",
             "sentinel://h:1/p",
+            "redis+cluster://",
+            "redis+cluster://h:1/0",
+            "redis+cluster://h:x",
+            "redis+cluster://h:1?protocol=3",
+            "cluster://h:1",
             "",
         ] {
             assert!(parse(url).is_err(), "{url}");
         }
         let e = parse("redis://u:supersecret@h:1/x").expect_err("bad db");
         assert!(!e.to_string().contains("supersecret"), "{e}");
+    }
+
+    #[test]
+    fn cluster_urls_give_every_node_the_credentials() {
+        let Ok(Target::Cluster { spec, tls: false }) = parse("redis+cluster://app:pw@h1:7000,[::1]:7001,h3") else {
+            panic!("not a cluster URL");
+        };
+        assert_eq!(
+            spec.hosts,
+            vec![("h1".into(), 7000), ("::1".into(), 7001), ("h3".into(), 6379)]
+        );
+        assert_eq!(
+            (spec.username.as_deref(), spec.password.as_deref()),
+            (Some("app"), Some("pw"))
+        );
+        let e = parse("redis+cluster://u:supersecret@h:1/2").expect_err("a db");
+        assert!(!e.to_string().contains("supersecret"), "{e}");
+        assert_eq!(redact("rediss+cluster://u:pw@h:1,h:2"), "rediss+cluster://***@h:1,h:2");
     }
 
     #[test]

@@ -677,6 +677,7 @@ impl Routes {
         path: &str,
         readings: &[Vec<String>],
         matches: fn(&Template, &[String]) -> Option<Captures>,
+        ignoring_case: bool,
     ) -> Result<Option<(usize, Captures)>, AmbiguousPath> {
         let mut found: Option<(usize, Captures)> = None;
         for reading in readings {
@@ -684,7 +685,7 @@ impl Routes {
                 .routes
                 .iter()
                 .enumerate()
-                .filter(|(_, r)| r.method == *method)
+                .filter(|(_, r)| r.method == *method && !(ignoring_case && r.dialect.case_sensitive))
                 .find_map(|(i, r)| matches(&r.path, reading).map(|s| (i, s)));
             match (&found, hit) {
                 (_, None) => {}
@@ -706,10 +707,11 @@ impl Routes {
             return Ok(None);
         }
         let readings = normalize::readings(path);
-        let mut found = self.match_readings(method, path, &readings, Template::matches)?;
+        let mut found = self.match_readings(method, path, &readings, Template::matches, false)?;
         if found.is_none() {
-            // A store whose router ignores case reads `/API/threads/…` as the route: a write.
-            found = self.match_readings(method, path, &readings, Template::matches_ignoring_case)?;
+            // A store whose router ignores case reads `/API/threads/…` as the route: a write
+            // (not on stores whose names are case-sensitive, such as S3 keys).
+            found = self.match_readings(method, path, &readings, Template::matches_ignoring_case, true)?;
         }
         Ok(found.and_then(|(i, s)| self.routes.get(i).map(|r| (r, s))))
     }
@@ -934,9 +936,8 @@ mod tests {
         ] {
             assert!(routes.find(&Method::PUT, path).unwrap().is_none(), "{path}");
         }
-        // A case-insensitive router reads the suffix regardless of case too.
-        let (_, c) = routes.find(&Method::PUT, "/b1/Sessions/s-7.JSON").unwrap().unwrap();
-        assert_eq!(c.session, "s-7");
+        // S3 keys are case-sensitive: another case is another object, not this route's.
+        assert!(routes.find(&Method::PUT, "/b1/Sessions/s-7.JSON").unwrap().is_none());
         // Literal text may surround any placeholder.
         let layout = "[[route]]\nmethod='PUT'\npath='/{bucket}/session_{session}/agents/agent_{agent}/agent.json'\nmode='merge'\nkind='put'\nturn={body='/turn',optional=true}";
         let routes = Routes::from_toml(layout, "/v1/sessions").unwrap();

@@ -48,6 +48,24 @@ impl SessionId {
         Ok(Self(raw.to_owned()))
     }
 
+    /// The id of a session a store names in its own way (an S3 key segment such as
+    /// `tenant%3A42` or `alice smith`, a CouchDB document id): itself when it is a valid id,
+    /// else `~` and a digest of the name. `~` never starts a valid id, so the two forms never
+    /// meet, and a digest keeps the key free of separators and glob characters.
+    pub fn of_store_name(raw: &str) -> Self {
+        match Self::parse(raw) {
+            Ok(id) => id,
+            Err(_) => {
+                use sha2::Digest;
+                let digest = sha2::Sha256::digest(raw.as_bytes());
+                Self(format!(
+                    "~{}",
+                    digest[..16].iter().map(|b| format!("{b:02x}")).collect::<String>()
+                ))
+            }
+        }
+    }
+
     pub fn as_str(&self) -> &str {
         &self.0
     }
@@ -216,6 +234,21 @@ impl Scope {
     }
 }
 
+/// The Redis Cluster slot of a key: CRC16 (XMODEM) of its hash tag, or of the whole key when
+/// it has none, modulo 16384.
+pub fn cluster_slot(key: &[u8]) -> u16 {
+    let tag = key
+        .iter()
+        .position(|&b| b == b'{')
+        .and_then(|open| {
+            let rest = &key[open + 1..];
+            rest.iter().position(|&b| b == b'}').map(|len| &rest[..len])
+        })
+        .filter(|tag| !tag.is_empty())
+        .unwrap_or(key);
+    crc16::State::<crc16::XMODEM>::calculate(tag) % 16384
+}
+
 fn truncate(s: &str, max: usize) -> String {
     if s.len() <= max {
         return s.to_owned();
@@ -230,6 +263,18 @@ fn truncate(s: &str, max: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_stores_own_names_map_to_ids_that_never_meet_valid_ones() {
+        assert_eq!(SessionId::of_store_name("s-1").as_str(), "s-1");
+        let odd = SessionId::of_store_name("tenant%3A42");
+        assert!(odd.as_str().starts_with('~') && odd.as_str().len() == 33, "{odd}");
+        assert_ne!(odd, SessionId::of_store_name("tenant%3A43"));
+        assert_eq!(odd, SessionId::of_store_name("tenant%3A42"));
+        assert!(SessionId::parse(odd.as_str()).is_err());
+        let long = "a".repeat(MAX_SESSION_ID_LEN + 1);
+        assert!(SessionId::of_store_name(&long).as_str().starts_with('~'));
+    }
     use proptest::prelude::*;
     use serde_json::json;
 
@@ -307,7 +352,88 @@ mod tests {
         );
     }
 
+    /// The slot Redis Cluster gives a key: CRC16-XMODEM of its hash tag (the text between the
+    /// first `{` and the next `}`, when not empty) or of the whole key, modulo 16384. Written
+    /// out here from the cluster specification, independent of any client library.
+    fn spec_slot(key: &[u8]) -> u16 {
+        let mut hashed = key;
+        if let Some(open) = key.iter().position(|&b| b == b'{') {
+            if let Some(len) = key[open + 1..].iter().position(|&b| b == b'}') {
+                if len > 0 {
+                    hashed = &key[open + 1..open + 1 + len];
+                }
+            }
+        }
+        let mut crc: u16 = 0;
+        for &byte in hashed {
+            crc ^= u16::from(byte) << 8;
+            for _ in 0..8 {
+                crc = if crc & 0x8000 != 0 {
+                    (crc << 1) ^ 0x1021
+                } else {
+                    crc << 1
+                };
+            }
+        }
+        crc % 16384
+    }
+
     proptest! {
+        #[test]
+        fn the_routing_slot_is_the_specifications(key in proptest::collection::vec(any::<u8>(), 0..40)) {
+            prop_assert_eq!(super::cluster_slot(&key), spec_slot(&key));
+        }
+    }
+
+    #[test]
+    fn the_slot_function_matches_the_cluster_specification() {
+        // Reference values from the Redis Cluster specification and `CLUSTER KEYSLOT`.
+        assert_eq!(spec_slot(b"123456789"), 0x31C3, "the CRC16 check value");
+        assert_eq!(spec_slot(b"foo"), 12182);
+        assert_eq!(spec_slot(b"{user1000}.following"), spec_slot(b"user1000"));
+        assert_eq!(spec_slot(b"foo{}{bar}"), spec_slot(b"foo{}{bar}"));
+        assert_ne!(
+            spec_slot(b"foo{}{bar}"),
+            spec_slot(b"bar"),
+            "an empty tag hashes the whole key"
+        );
+        assert_eq!(spec_slot(b"foo{{bar}}zap"), spec_slot(b"{bar"));
+    }
+
+    proptest! {
+        #[test]
+        fn every_key_and_channel_of_a_session_shares_one_slot(
+            prefix in "[A-Za-z0-9:._/-]{0,16}",
+            id in "[A-Za-z0-9._-]{1,40}",
+            store in proptest::option::of("[ -~]{0,24}"),
+            doc in "/[ -~]{0,40}",
+            turn in 0u64..=MAX_TURN,
+            version in any::<u64>(),
+            digest in "[0-9a-f]{1,64}",
+        ) {
+            let Ok(session) = SessionId::parse(&id) else { return Ok(()) };
+            let base = Keys::new(prefix.clone());
+            let keys = match &store {
+                Some(s) => base.for_store(s.clone()),
+                None => base,
+            };
+            let lock = keys.lock(&session, turn);
+            let scope = keys.scope(&session, &doc);
+            let all = [
+                keys.released(&lock),
+                keys.fence_token(&session),
+                keys.idempotency(&session, &digest),
+                scope.slot(),
+                scope.turn_mark(),
+                scope.history(version),
+            ];
+            let slot = spec_slot(lock.as_bytes());
+            prop_assert_eq!(slot, spec_slot(session.as_str().as_bytes()), "the lock hashes by the id alone");
+            for key in &all {
+                prop_assert_eq!(spec_slot(key.as_bytes()), slot, "{} is in another slot than {}", key, lock);
+            }
+        }
+
         #[test]
         fn distinct_valid_ids_never_share_a_lock_key(a in "[A-Za-z0-9._:*?-]{1,12}", b in "[A-Za-z0-9._:*?-]{1,12}", ta in 0u64..100, tb in 0u64..100) {
             let keys = Keys::new("tl:");

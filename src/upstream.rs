@@ -40,6 +40,8 @@ pub struct StoreParts {
     pub headers: http::HeaderMap,
     /// `If-Match` with the store's own entity tag: the write applies only to that version.
     pub if_match: Option<http::HeaderValue>,
+    /// `If-None-Match: *`: the write applies only if the document does not exist.
+    pub if_none_match: bool,
 }
 
 impl Default for StoreParts {
@@ -48,14 +50,21 @@ impl Default for StoreParts {
             dialect: &crate::routes::dialect::HTTP,
             headers: http::HeaderMap::new(),
             if_match: None,
+            if_none_match: false,
         }
     }
 }
 
 impl StoreParts {
     pub fn of(dialect: &'static Dialect, headers: &http::HeaderMap) -> Self {
+        let if_none_match = headers
+            .get(header::IF_NONE_MATCH)
+            .is_some_and(|v| v.as_bytes().trim_ascii() == b"*");
         if dialect.answers_natively() {
-            return Self::default();
+            return Self {
+                if_none_match,
+                ..Self::default()
+            };
         }
         let mut kept = http::HeaderMap::new();
         for (name, value) in headers {
@@ -67,6 +76,7 @@ impl StoreParts {
             dialect,
             headers: kept,
             if_match: headers.get(header::IF_MATCH).cloned(),
+            if_none_match,
         }
     }
 }

@@ -62,7 +62,11 @@ impl RedisLocks {
     pub fn new(conn: RedisConn, keys: Keys, settings: LockSettings, metrics: Metrics) -> Self {
         let watchers: Arc<DashMap<String, Arc<Watcher>>> = Arc::new(DashMap::new());
         let (tx, rx) = mpsc::unbounded_channel();
-        tokio::spawn(pubsub_loop(conn.clone(), watchers.clone(), rx));
+        if conn.is_cluster() {
+            tokio::spawn(sharded_pubsub_loop(conn.clone(), watchers.clone(), rx));
+        } else {
+            tokio::spawn(pubsub_loop(conn.clone(), watchers.clone(), rx));
+        }
         Self {
             settings,
             replica_wait: None,
@@ -162,13 +166,7 @@ impl RedisLocks {
         let (replicas, timeout_ms) = (w.replicas, w.timeout.as_millis() as u64);
         let acked: Result<i64, redis::RedisError> = w
             .conn
-            .run(|mut c| async move {
-                redis::cmd("WAIT")
-                    .arg(replicas)
-                    .arg(timeout_ms)
-                    .query_async(&mut c)
-                    .await
-            })
+            .run(|mut c| async move { c.wait_for_replicas(key, replicas, timeout_ms).await })
             .await;
         let acked = match acked {
             Ok(n) if n >= i64::from(replicas) => return Ok(()),
@@ -222,6 +220,7 @@ impl RedisLocks {
     /// Stores `records`, then releases, in one round trip (see `release.lua`).
     pub(super) async fn release(&self, key: &str, token: &str, records: &[Entry]) -> Result<bool, LockError> {
         let channel = self.keys.released(key);
+        let sharded = self.conn.is_cluster();
         let script = &self.scripts.release;
         let released: i64 = self
             .conn
@@ -236,6 +235,10 @@ impl RedisLocks {
                         .arg(r.value.as_ref())
                         .arg(r.ttl.as_millis() as u64)
                         .arg(r.expect.as_deref().unwrap_or_default());
+                }
+                if sharded {
+                    // On a cluster the release is announced on the session's shard only.
+                    invocation.arg("SPUBLISH");
                 }
                 invocation.invoke_async(&mut c).await
             })
@@ -389,6 +392,72 @@ async fn pubsub_loop(
                         None => return,
                     };
                     if result.is_err() {
+                        break;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// [`pubsub_loop`] on a Redis Cluster: sharded pub/sub (`SSUBSCRIBE`), each channel on the
+/// shard that owns its session. The cluster client re-subscribes by itself after a
+/// reconnection or a slot moving; a lost connection costs latency only (waiters poll).
+async fn sharded_pubsub_loop(
+    conn: RedisConn,
+    watchers: Arc<DashMap<String, Arc<Watcher>>>,
+    mut rx: mpsc::UnboundedReceiver<Subscription>,
+) {
+    loop {
+        let (mut sub, mut pushes) = match conn.cluster_pubsub().await {
+            Ok(p) => p,
+            Err(error) => {
+                tracing::debug!(%error, "lock release channels unavailable; waiters poll");
+                let pause = tokio::time::sleep(Duration::from_millis(500));
+                tokio::pin!(pause);
+                loop {
+                    tokio::select! {
+                        _ = &mut pause => break,
+                        msg = rx.recv() => if msg.is_none() { return },
+                    }
+                }
+                continue;
+            }
+        };
+        let channels: Vec<String> = watchers.iter().map(|e| e.key().clone()).collect();
+        let mut failed = false;
+        for ch in &channels {
+            if sub.ssubscribe(ch).await.is_err() {
+                failed = true;
+                break;
+            }
+        }
+        if failed {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            continue;
+        }
+        loop {
+            tokio::select! {
+                push = pushes.recv() => match push {
+                    Some(push) => {
+                        if push.kind == redis::PushKind::SMessage {
+                            if let Some(redis::Value::BulkString(name)) = push.data.first() {
+                                if let Some(w) = std::str::from_utf8(name).ok().and_then(|n| watchers.get(n)) {
+                                    w.notify.notify_one();
+                                }
+                            }
+                        }
+                    }
+                    None => break,
+                },
+                req = rx.recv() => {
+                    let result = match req {
+                        Some(Subscription::Subscribe(ch)) => sub.ssubscribe(&ch).await,
+                        Some(Subscription::Unsubscribe(ch)) => sub.sunsubscribe(&ch).await,
+                        None => return,
+                    };
+                    if let Err(error) = result {
+                        tracing::debug!(%error, "sharded subscription change failed; reconnecting");
                         break;
                     }
                 }

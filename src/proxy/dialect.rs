@@ -37,6 +37,8 @@ const S3_CODES: &[(&str, u16, &str)] = &[
     ("document_too_large", 400, "EntityTooLarge"),
     ("body_timeout", 400, "RequestTimeout"),
     ("idempotency_key_reused", 400, "InvalidRequest"),
+    // The stored object is not a JSON document: no retry can change that.
+    ("upstream_invalid_document", 409, "InvalidDocument"),
 ];
 
 /// turnlock's refusals as CouchDB errors (`{"error", "reason"}`).
@@ -49,6 +51,7 @@ const COUCHDB_CODES: &[(&str, u16, &str)] = &[
     ("session_not_found", 404, "not_found"),
     ("body_too_large", 413, "too_large"),
     ("document_too_large", 413, "too_large"),
+    ("upstream_invalid_document", 409, "invalid_document"),
 ];
 
 fn store_error(table: &[(&str, u16, &'static str)], code: &str, status: StatusCode, s3: bool) -> StoreError {
@@ -89,6 +92,20 @@ pub fn answer(dialect: &Dialect, captures: &Captures, answer: Answer) -> Respons
             let body = json!({"ok": true, "id": captures.session, "rev": rev});
             let mut res = json_response(StatusCode::CREATED, &body);
             copy_header(&answer, header::ETAG, &mut res);
+            res
+        }
+        form if store_refusal(&answer.body).is_some() => {
+            // The store refused the request turnlock made for the client (a missing bucket,
+            // access denied): the client gets the store's own answer, as it would directly.
+            let (status, body) = store_refusal(&answer.body).unwrap_or_default();
+            let mut res = Response::new(full(Bytes::from(body)));
+            *res.status_mut() = status;
+            let content_type = match form {
+                AnswerForm::S3 => "application/xml",
+                _ => "application/json",
+            };
+            res.headers_mut()
+                .insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
             res
         }
         form => {
@@ -164,6 +181,15 @@ fn copy_header(answer: &Answer, name: header::HeaderName, res: &mut Response<Bod
     if let Some((_, v)) = answer.headers.iter().find(|(k, _)| *k == name) {
         res.headers_mut().insert(name, v.clone());
     }
+}
+
+/// The store's own refusal (a 4xx other than a conflict) a turnlock answer carries.
+fn store_refusal(body: &[u8]) -> Option<(StatusCode, String)> {
+    let v = serde_json::from_slice::<Value>(body).ok()?;
+    let status = v["upstream_status"].as_u64().and_then(|s| u16::try_from(s).ok())?;
+    let status = StatusCode::from_u16(status).ok().filter(StatusCode::is_client_error)?;
+    let text = v["upstream_body"].as_str()?;
+    Some((status, text.to_owned()))
 }
 
 fn message_of(body: &[u8]) -> String {

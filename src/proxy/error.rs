@@ -107,6 +107,9 @@ fn refused(e: &MergeError) -> Answer {
     Answer::error(status, e.code(), e, extra)
 }
 
+/// How much of a store's refusal is kept to answer it with.
+const STORE_BODY_KEPT: usize = 8 * 1024;
+
 fn upstream(e: &UpstreamError) -> Answer {
     if let UpstreamError::Status { status, .. } = e {
         if *status == StatusCode::PAYLOAD_TOO_LARGE {
@@ -119,6 +122,12 @@ fn upstream(e: &UpstreamError) -> Answer {
         }
     }
     let extra = match e {
+        // A store's refusal of a request turnlock made for the client (a missing bucket, a
+        // denied access) is the store's answer to give: kept, for answers in its dialect.
+        UpstreamError::Status { status, body } if status.is_client_error() => Some(json!({
+            "upstream_status": status.as_u16(),
+            "upstream_body": String::from_utf8_lossy(&body[..body.len().min(STORE_BODY_KEPT)]),
+        })),
         UpstreamError::Status { status, .. } => Some(json!({"upstream_status": status.as_u16()})),
         _ => None,
     };

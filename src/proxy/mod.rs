@@ -97,7 +97,13 @@ impl Proxy {
         // The route's captures are owned: the path is not copied to find them.
         let found = inner.routes.find(req.method(), req.uri().path());
         let (route_name, mut res) = match found {
-            Ok(Some((route, captures))) => {
+            // A request the store's protocol does not read as a write of the document (an
+            // S3 subresource or copy, a CouchDB `_security`): forwarded untouched.
+            Ok(Some((route, captures)))
+                if !route
+                    .dialect
+                    .not_a_write(req.uri().query(), req.headers(), &captures.session) =>
+            {
                 let _in_flight = inner.metrics.write_in_flight();
                 let (parts, body) = req.into_parts();
                 let res = match request::parse(route, &captures, &parts, body, inner.max_body).await {
@@ -111,7 +117,7 @@ impl Proxy {
                 };
                 (route.name, res)
             }
-            Ok(None) => ("forward", self.forward(req, peer).await),
+            Ok(_) => ("forward", self.forward(req, peer).await),
             Err(ambiguous) => (
                 "ambiguous",
                 error(StatusCode::BAD_REQUEST, "ambiguous_path", ambiguous, None),

@@ -150,12 +150,17 @@ pub async fn parse(
         Mode::Merge { kind: Kind::Put, .. } => limits.body.max(limits.document),
         _ => limits.body,
     };
-    let session = SessionId::parse(&captures.session).map_err(|e| bad("invalid_session_id", e))?;
-    let session = if route.path.has_params() {
-        SessionId::parse(&captures.session_key_within(route.session_scope.as_deref()))
-            .map_err(|e| bad("invalid_session_id", e))?
+    let key = if route.path.has_params() {
+        captures.session_key_within(route.session_scope.as_deref())
     } else {
-        session
+        captures.session.clone()
+    };
+    // The canonical API's ids are checked; a store's own route takes the store's names as
+    // they are (the document path is rendered from the request's own spelling).
+    let session = if route.strict_content_type {
+        SessionId::parse(&key).map_err(|e| bad("invalid_session_id", e))?
+    } else {
+        SessionId::of_store_name(&key)
     };
     let wait = wait_deadline(&parts.headers)?;
     if let Mode::Merge {

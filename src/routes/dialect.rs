@@ -43,6 +43,20 @@ pub enum AnswerForm {
     Couchdb,
 }
 
+/// A request on a write route that is not a write of the document in the store's protocol:
+/// it passes through to the store untouched, as any request no route names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NotAWrite {
+    /// A query parameter other than these (names, or prefixes ending in `*`): a subresource
+    /// (S3's `?uploadId=…&partNumber=…`, `?tagging`, `?acl`, …).
+    QueryExcept(&'static [&'static str]),
+    /// This request header (S3's `x-amz-copy-source`: a copy made by the store itself).
+    Header(&'static str),
+    /// A session placeholder starting with this (CouchDB's `_security`, `_design`, `_local`,
+    /// `_bulk_docs`: the database's own resources, not documents).
+    SessionPrefix(&'static str),
+}
+
 /// One store protocol.
 #[derive(Debug, PartialEq, Eq)]
 pub struct Dialect {
@@ -58,6 +72,11 @@ pub struct Dialect {
     /// Request headers never carried: they describe the client's body, not the merged one.
     pub dropped_headers: &'static [&'static str],
     pub answer: AnswerForm,
+    /// Names differ by case (`Strands/…` and `strands/…` are two objects): a path spelled in
+    /// another case is another resource, never this route's write.
+    pub case_sensitive: bool,
+    /// Requests matching a write route that are not writes of the document.
+    pub not_writes: &'static [NotAWrite],
 }
 
 pub const HTTP: Dialect = Dialect {
@@ -68,6 +87,8 @@ pub const HTTP: Dialect = Dialect {
     kept_headers: &[],
     dropped_headers: &[],
     answer: AnswerForm::Turnlock,
+    case_sensitive: false,
+    not_writes: &[],
 };
 
 pub const S3: Dialect = Dialect {
@@ -101,6 +122,13 @@ pub const S3: Dialect = Dialect {
         "if-none-match",
     ],
     answer: AnswerForm::S3,
+    case_sensitive: true,
+    // Only a plain PutObject is a write: `x-id` is the operation name some SDKs add, and
+    // `X-Amz-*` the signature of a presigned URL.
+    not_writes: &[
+        NotAWrite::QueryExcept(&["x-id", "X-Amz-*"]),
+        NotAWrite::Header("x-amz-copy-source"),
+    ],
 };
 
 pub const COUCHDB: Dialect = Dialect {
@@ -111,6 +139,8 @@ pub const COUCHDB: Dialect = Dialect {
     kept_headers: &[],
     dropped_headers: &["if-match"],
     answer: AnswerForm::Couchdb,
+    case_sensitive: true,
+    not_writes: &[NotAWrite::SessionPrefix("_")],
 };
 
 impl DialectName {
@@ -141,6 +171,26 @@ impl Dialect {
             return false;
         }
         name == "authorization" || name == "content-type" || listed(self.kept_headers)
+    }
+
+    /// Whether a request that matched a write route is not a write of the document in this
+    /// dialect (see [`NotAWrite`]): it is then forwarded untouched.
+    pub fn not_a_write(&self, query: Option<&str>, headers: &http::HeaderMap, session: &str) -> bool {
+        self.not_writes.iter().any(|n| match n {
+            NotAWrite::QueryExcept(allowed) => query.is_some_and(|q| {
+                q.split('&')
+                    .map(|pair| pair.split('=').next().unwrap_or(""))
+                    .filter(|name| !name.is_empty())
+                    .any(|name| {
+                        !allowed.iter().any(|a| match a.strip_suffix('*') {
+                            Some(prefix) => name.starts_with(prefix),
+                            None => name == *a,
+                        })
+                    })
+            }),
+            NotAWrite::Header(name) => headers.contains_key(*name),
+            NotAWrite::SessionPrefix(prefix) => session.starts_with(prefix),
+        })
     }
 
     /// Whether the store manages `field` itself.
@@ -178,6 +228,23 @@ mod tests {
         ] {
             assert!(!S3.keeps(dropped), "{dropped}");
         }
+    }
+
+    #[test]
+    fn only_a_plain_write_of_the_document_is_a_write() {
+        let none = http::HeaderMap::new();
+        assert!(!S3.not_a_write(None, &none, "s1"));
+        assert!(!S3.not_a_write(Some("x-id=PutObject"), &none, "s1"));
+        assert!(!S3.not_a_write(Some("X-Amz-Signature=ab&X-Amz-Date=1"), &none, "s1"));
+        for q in ["uploadId=u1&partNumber=2", "tagging", "acl", "x-id=PutObject&retention"] {
+            assert!(S3.not_a_write(Some(q), &none, "s1"), "{q}");
+        }
+        let mut copy = http::HeaderMap::new();
+        copy.insert("x-amz-copy-source", http::HeaderValue::from_static("/b/k"));
+        assert!(S3.not_a_write(None, &copy, "s1"));
+        assert!(COUCHDB.not_a_write(None, &none, "_security"));
+        assert!(!COUCHDB.not_a_write(Some("rev=1-a"), &none, "s_1"));
+        assert!(!HTTP.not_a_write(Some("tagging"), &copy, "_x"));
     }
 
     #[test]

@@ -409,6 +409,8 @@ async fn the_injector_admits_exactly_the_redis_urls_the_proxy_starts_with() {
         format!("redis+sentinel://127.0.0.1:{free}/primary"),
         format!("redis+sentinel://127.0.0.1:{free},127.0.0.1:{free}/primary/1?sentinel_password=x"),
         format!("rediss+sentinel://127.0.0.1:{free}/primary"),
+        format!("redis+cluster://127.0.0.1:{free},127.0.0.1:{free}"),
+        format!("rediss+cluster://:pw@127.0.0.1:{free}"),
         "unix:///tmp/turnlock-test-no-such.sock".into(),
         // Refused by both:
         "http://redis:6379".into(),
@@ -417,7 +419,7 @@ async fn the_injector_admits_exactly_the_redis_urls_the_proxy_starts_with() {
         format!("rediss://127.0.0.1:{free}/#insecure"),
         format!("redis+sentinel://127.0.0.1:{free}"),
         format!("redis+sentinel://127.0.0.1:{free}/primary?other=1"),
-        "rediss+cluster://h:1".into(),
+        format!("redis+cluster://127.0.0.1:{free}/1"),
         "redis://".into(),
     ];
     let mut defaults = WebhookArgs::local(PathBuf::new(), PathBuf::new());
@@ -448,7 +450,7 @@ async fn the_injector_admits_exactly_the_redis_urls_the_proxy_starts_with() {
             (Err(e), Ok(_)) => panic!("{url}: refused at admission ({e}), but the proxy starts"),
         }
     }
-    assert_eq!((admitted, refused), (9, 8));
+    assert_eq!((admitted, refused), (11, 8));
 }
 
 /// A Redis Sentinel serving TLS on `tls_port` (and plaintext on another port), watching the

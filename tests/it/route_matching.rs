@@ -322,3 +322,45 @@ fn routes_file_mistakes_stop_the_proxy_with_a_clear_message() {
         assert!(stderr.contains(needle), "{stderr:?} lacks {needle:?}");
     }
 }
+
+#[tokio::test]
+async fn an_object_stores_names_are_its_own_case_and_characters_included() {
+    let (store, seen) = event_store().await;
+    let redis = RedisServer::start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut args = args_for(store, Some(&redis));
+    args.routes = Some(routes_file(
+        &dir,
+        "[store]\ndialect = \"s3\"\n\n[[route]]\nmethod = \"PUT\"\npath = \"/b/strands/session_{session}/obj.json\"\nturn = { header = \"X-Turn\" }\nmode = \"serialize\"\n",
+    ));
+    let proxy = proxy(args).await;
+    // A session named with characters the canonical API refuses (an S3 key takes them) is
+    // served as a session: locked, fenced and stale-checked.
+    for name in ["tenant%3A42", "alice%20smith", "%C3%BC-1"] {
+        let path = format!("/b/strands/session_{name}/obj.json");
+        let (status, body) = send_raw(proxy.addr, Method::PUT, &path, &[("x-turn", "5")], json!({})).await;
+        assert!((200..300).contains(&status), "{name}: {status} {body}");
+        let (status, _) = send_raw(proxy.addr, Method::PUT, &path, &[("x-turn", "4")], json!({})).await;
+        assert_eq!(status, 412, "{name}: an older turn must be refused");
+    }
+    // Another case is another object in S3: passed through, not taken for this route's write.
+    let (status, body) = send_raw(
+        proxy.addr,
+        Method::PUT,
+        "/b/Strands/session_x/obj.json",
+        &[("x-turn", "1")],
+        json!({}),
+    )
+    .await;
+    assert_eq!(status, 201, "{body}");
+    let log = seen.lock().expect("log").clone();
+    let other_case: Vec<_> = log.iter().filter(|(p, _)| p.contains("/Strands/")).collect();
+    assert_eq!(other_case.len(), 1, "{log:?}");
+    assert_eq!(other_case[0].1, "", "a write of another case was serialized: {log:?}");
+    assert!(
+        log.iter()
+            .filter(|(p, _)| p.contains("/strands/"))
+            .all(|(_, token)| !token.is_empty()),
+        "{log:?}"
+    );
+}

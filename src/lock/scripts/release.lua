@@ -9,6 +9,8 @@
 -- ARGV[3..]    for each record, in the order of KEYS[2..n]: its value, its TTL in ms, and the
 --              value it must still hold to be changed ('' for none: stored unconditionally).
 --              An empty value deletes the record (when it holds the expected value).
+-- ARGV[3n]     (after the records, optional) 'SPUBLISH' to announce on the session's shard
+--              (Redis Cluster); PUBLISH otherwise.
 --
 -- Reply: 1 released; 0 not held by this owner (expired, or taken over). The records are
 -- stored either way: they describe writes the store has already confirmed.
@@ -25,7 +27,7 @@ for i = 2, #KEYS do
 end
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('DEL', KEYS[1])
-  redis.call('PUBLISH', ARGV[2], '1')
+  redis.call(ARGV[3 * #KEYS] == 'SPUBLISH' and 'SPUBLISH' or 'PUBLISH', ARGV[2], '1')
   return 1
 end
 return 0

@@ -306,19 +306,40 @@ fn store_parts(batch: &[Pending<MergeWrite>]) -> &StoreParts {
 }
 
 /// A write that names the store's own entity tag (`If-Match` in the store's format): refused
-/// as the store would refuse it unless the document is still at that tag, and then merged
-/// against that version. A write to a foreign store's document that turnlock never wrote,
-/// based on no version: merged against that document. Any other write as it is.
+/// as the store would refuse it unless the document is still at that tag. A whole copy sent
+/// to a foreign store without a turnlock `version` of its own (read as absent, or from a
+/// document turnlock never wrote): its base is unknown, so it is merged without deletions.
+/// `If-None-Match: *` on a PUT: refused when the document exists. Any other write as it is.
+/// The store's own fields a copy carries (`_id`, `_rev`) are taken out before the merge: they
+/// are the store's, never the application's, and never a conflict.
 fn with_store_precondition<'a>(
     write: &'a MergeWrite,
     on: Option<&Document>,
     etag: Option<&HeaderValue>,
     first: bool,
 ) -> Result<std::borrow::Cow<'a, Op>, MergeError> {
+    let op = store_precondition(write, on, etag, first)?;
+    Ok(store_fields::without_managed(write.store.dialect, op))
+}
+
+fn store_precondition<'a>(
+    write: &'a MergeWrite,
+    on: Option<&Document>,
+    etag: Option<&HeaderValue>,
+    first: bool,
+) -> Result<std::borrow::Cow<'a, Op>, MergeError> {
     let (op, store) = (&write.op, &write.store);
+    if store.if_none_match && matches!(op, Op::Put { .. } | Op::Replace { .. }) {
+        if let Some(cur) = on {
+            return Err(MergeError::VersionMismatch {
+                expected: None,
+                current: merge::version_of(cur),
+            });
+        }
+    }
     let Some(wanted) = &store.if_match else {
-        // A document turnlock never wrote (no `version`) has one version it knows: the
-        // store's own. A copy of it that names no version is based on it.
+        // A copy that names no version of its own has an unknown base: merged without
+        // deletions (see `store_fields::without_deletions`).
         return Ok(match (op, on) {
             (
                 Op::Put {
@@ -326,19 +347,16 @@ fn with_store_precondition<'a>(
                     base_version: None,
                 },
                 Some(cur),
-            ) if !store.dialect.answers_natively() && !cur.contains_key("version") => {
-                std::borrow::Cow::Owned(Op::Put {
-                    doc: doc.clone(),
-                    base_version: Some(0),
-                })
+            ) if !store.dialect.answers_natively() => {
+                std::borrow::Cow::Owned(store_fields::without_deletions(doc, cur))
             }
             _ => std::borrow::Cow::Borrowed(op),
         });
     };
-    let Some(doc) = on else {
+    let Some(stored) = on else {
         return Err(MergeError::NotFound);
     };
-    let current = merge::version_of(doc);
+    let current = merge::version_of(stored);
     // Only the first write of the batch can still see the document at the tag it names.
     let any = wanted.as_bytes() == b"*";
     let same = etag.is_some_and(|tag| store_fields::bare(tag.as_bytes()) == store_fields::bare(wanted.as_bytes()));
@@ -348,14 +366,13 @@ fn with_store_precondition<'a>(
             current,
         });
     }
+    // The store's tag says the document is still there, not that the client saw every
+    // message of it: only the copy's own `version` makes what it lacks a deletion.
     Ok(match op {
         Op::Put {
             doc,
             base_version: None,
-        } => std::borrow::Cow::Owned(Op::Put {
-            doc: doc.clone(),
-            base_version: Some(current),
-        }),
+        } => std::borrow::Cow::Owned(store_fields::without_deletions(doc, stored)),
         other => std::borrow::Cow::Borrowed(other),
     })
 }

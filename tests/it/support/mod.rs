@@ -67,11 +67,45 @@ impl RedisServer {
             dir: tempfile::tempdir().expect("tempdir"),
             extra: extra.iter().map(|s| s.to_string()).collect(),
         };
-        server.spawn();
-        server
+        // A free port can be taken by another test's server before redis-server binds it:
+        // then it exits, and another port is tried (never a server that is not ours).
+        for _ in 0..5 {
+            if server.try_spawn() {
+                return server;
+            }
+            server.kill();
+            server.port = free_port();
+        }
+        panic!("redis-server did not start on any of 5 free ports");
     }
 
     fn spawn(&mut self) {
+        assert!(
+            self.try_spawn(),
+            "redis-server did not start again on port {}",
+            self.port
+        );
+    }
+
+    /// Starts redis-server on `self.port`; true once this process answers there like Redis.
+    fn try_spawn(&mut self) -> bool {
+        self.start_process();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Some(child) = self.child.as_mut() {
+                if !matches!(child.try_wait(), Ok(None)) {
+                    return false;
+                }
+            }
+            if answers_like_redis(self.port) {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        false
+    }
+
+    fn start_process(&mut self) {
         let child = Command::new(redis_server_bin())
             .args([
                 "--port",
@@ -90,7 +124,6 @@ impl RedisServer {
             .spawn()
             .expect("start redis-server");
         self.child = Some(child);
-        wait_for_port(self.port, Duration::from_secs(10));
     }
 
     pub fn url(&self) -> String {
@@ -230,6 +263,18 @@ impl Drop for RedisServer {
     fn drop(&mut self) {
         self.kill();
     }
+}
+
+/// Whether what listens on `port` answers `PING` as Redis does (`+PONG`, or an error such as
+/// `-NOAUTH`), not as some other server that took the port.
+fn answers_like_redis(port: u16) -> bool {
+    use std::io::{Read, Write};
+    let Ok(mut conn) = TcpStream::connect(("127.0.0.1", port)) else {
+        return false;
+    };
+    let _ = conn.set_read_timeout(Some(Duration::from_secs(2)));
+    let mut first = [0u8; 1];
+    conn.write_all(b"PING\r\n").is_ok() && conn.read_exact(&mut first).is_ok() && matches!(first[0], b'+' | b'-')
 }
 
 pub fn wait_for_port(port: u16, timeout: Duration) {

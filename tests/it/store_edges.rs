@@ -1,0 +1,359 @@
+//! Real stores at their edges: writers beside the sidecar on documents turnlock never wrote,
+//! `If-None-Match: *`, requests on a write route that are not writes of the document (S3
+//! subresources and copies, CouchDB's `_security`), and the store's own refusals — against
+//! moto's S3 server with boto3 and `pouchdb-server`.
+
+use http::Method;
+use serde_json::{json, Value};
+use turnlock::client::JsonClient;
+
+use crate::support::third_party::{moto_server, pouchdb_server, run_python, Server};
+use crate::support::{proxy, proxy_args, RedisServer};
+
+const S3_ROUTES: &str = r#"
+[store]
+dialect = "s3"
+
+[[route]]
+method = "PUT"
+path = "/{bucket}/sessions/{session}.json"
+mode = "merge"
+kind = "put"
+document = "/{bucket}/sessions/{session}.json"
+turn = { body = "/turn", optional = true }
+"#;
+
+const COUCHDB_ROUTES: &str = r#"
+[store]
+dialect = "couchdb"
+
+[[route]]
+method = "PUT"
+path = "/{db}/{session}"
+mode = "merge"
+kind = "put"
+turn = { body = "/turn", optional = true }
+"#;
+
+fn routes_file(text: &str) -> tempfile::NamedTempFile {
+    let file = tempfile::NamedTempFile::new().expect("temp file");
+    std::fs::write(file.path(), text).expect("write routes");
+    file
+}
+
+async fn sidecar(store: &Server, redis: &RedisServer, routes: &tempfile::NamedTempFile) -> turnlock::sidecar::Running {
+    let mut args = proxy_args(format!("127.0.0.1:{}", store.port).parse().expect("addr"), Some(redis));
+    args.routes = Some(routes.path().display().to_string());
+    proxy(args).await
+}
+
+/// Runs one case of `s3_edges.py` through a sidecar in front of a fresh moto server.
+async fn s3_case(case: &'static str) -> Value {
+    let moto = moto_server();
+    let redis = RedisServer::start();
+    let routes = routes_file(S3_ROUTES);
+    let p = sidecar(&moto, &redis, &routes).await;
+    let args = [
+        case.to_owned(),
+        format!("http://{}", p.addr),
+        moto.url(),
+        format!("edges-{}", case.replace('_', "-")),
+    ];
+    tokio::task::spawn_blocking(move || {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        run_python("s3_edges.py", &args)
+    })
+    .await
+    .expect("python")
+}
+
+fn ids(v: &Value) -> Vec<&str> {
+    v.as_array()
+        .map(|a| a.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s3_a_careful_writer_beside_the_sidecar_keeps_its_write_on_objects_turnlock_never_wrote() {
+    let r = s3_case("beside").await;
+    // Absent when the agent read: the careful writer's create and the agent's copy both stay.
+    assert_eq!(r["absent_read"]["code"], "NoSuchKey", "{r}");
+    assert_eq!(r["absent_direct"]["ok"], true, "{r}");
+    assert_eq!(r["absent_agent"]["ok"], true, "{r}");
+    assert_eq!(ids(&r["absent_ids"]), ["direct", "mine"], "{r}");
+    // A legacy object, changed straight at the store after the agent's read: its copy with
+    // no precondition, or with the object's current ETag, loses nothing of the other write
+    // (the agent's values for the fields it sent).
+    for case in ["legacy", "legacy_fresh_tag"] {
+        assert_eq!(r[format!("{case}_direct")]["ok"], true, "{case}: {r}");
+        assert_eq!(r[format!("{case}_agent")]["ok"], true, "{case}: {r}");
+        assert_eq!(r[format!("{case}_agent")]["attempts"], 1, "{case}: {r}");
+        assert_eq!(ids(&r[format!("{case}_ids")]), ["old", "direct", "mine"], "{case}: {r}");
+        assert_eq!(r[format!("{case}_title")], "mine", "{case}: {r}");
+    }
+    // With the ETag it read (now stale): refused as S3 refuses it, nothing written.
+    assert_eq!(r["legacy_stale_tag_agent"]["status"], 412, "{r}");
+    assert_eq!(r["legacy_stale_tag_agent"]["code"], "PreconditionFailed", "{r}");
+    assert_eq!(ids(&r["legacy_stale_tag_ids"]), ["old", "direct"], "{r}");
+    // Once turnlock wrote the object, a copy read through the sidecar names its base: what it
+    // leaves out is deleted.
+    assert_eq!(r["known_base_agent"]["ok"], true, "{r}");
+    assert_eq!(ids(&r["known_base_ids"]), ["direct", "mine"], "{r}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s3_if_none_match_star_on_an_existing_object_is_refused_as_s3_refuses_it() {
+    let r = s3_case("if_none_match").await;
+    assert_eq!(r["existing"]["status"], 412, "{r}");
+    assert_eq!(r["existing"]["code"], "PreconditionFailed", "{r}");
+    assert_eq!(r["existing"]["attempts"], 1, "{r}");
+    assert_eq!(ids(&r["existing_ids"]), ["first"], "{r}");
+    assert_eq!(r["new"]["ok"], true, "{r}");
+    assert_eq!(r["new_again"]["status"], 412, "{r}");
+    assert_eq!(ids(&r["new_ids"]), ["a"], "{r}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s3_subresources_copies_and_multipart_uploads_pass_through_untouched() {
+    let r = s3_case("subresources").await;
+    assert_eq!(r["put"]["ok"], true, "{r}");
+    assert_eq!(r["tagging"]["ok"], true, "{r}");
+    assert_eq!(r["tags"], json!([{"Key": "t", "Value": "v"}]), "{r}");
+    assert_eq!(r["acl"]["ok"], true, "{r}");
+    assert_eq!(r["copy"]["ok"], true, "{r}");
+    assert_eq!(r["after_copy"], json!({"messages": [{"id": "fromcopy"}]}), "{r}");
+    // A part is a part, not the object.
+    assert_eq!(r["part"]["ok"], true, "{r}");
+    assert_eq!(r["during_upload"], json!({"messages": [{"id": "orig"}]}), "{r}");
+    assert_eq!(r["complete"]["ok"], true, "{r}");
+    assert_eq!(r["after_upload"], json!({"messages": [{"id": "part"}]}), "{r}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s3_the_stores_refusals_are_its_own_answers_and_an_unreadable_object_is_not_retried() {
+    let r = s3_case("errors").await;
+    assert_eq!(r["no_bucket_direct"]["code"], "NoSuchBucket", "{r}");
+    assert_eq!(r["no_bucket"]["status"], 404, "{r}");
+    assert_eq!(r["no_bucket"]["code"], "NoSuchBucket", "{r}");
+    assert_eq!(r["no_bucket"]["attempts"], 1, "{r}");
+    assert_eq!(r["not_json"]["status"], 409, "{r}");
+    assert_eq!(r["not_json"]["code"], "InvalidDocument", "{r}");
+    assert_eq!(r["not_json"]["attempts"], 1, "{r}");
+}
+
+fn message_ids(doc: &Value) -> Vec<String> {
+    doc["messages"]
+        .as_array()
+        .map(|m| m.iter().filter_map(|m| m["id"].as_str().map(str::to_owned)).collect())
+        .unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn couchdb_a_copy_without_a_turnlock_version_is_merged_without_deletions() {
+    let couch = pouchdb_server();
+    let redis = RedisServer::start();
+    let routes = routes_file(COUCHDB_ROUTES);
+    let p = sidecar(&couch, &redis, &routes).await;
+    let direct = JsonClient::new(couch.url());
+    let agent = JsonClient::new(format!("http://{}", p.addr));
+    let r = direct.send(Method::PUT, "/db", None, &[]).await.expect("create db");
+    assert!(r.status.is_success(), "{}", r.status);
+
+    // Absent when the agent read; created straight at the store; the agent's copy (no `_rev`,
+    // which CouchDB itself would refuse 409) keeps the other write.
+    let r = agent.send(Method::GET, "/db/a", None, &[]).await.expect("read");
+    assert_eq!(r.status, 404);
+    let r = direct
+        .send(
+            Method::PUT,
+            "/db/a",
+            Some(&json!({"messages": [{"id": "direct"}]})),
+            &[],
+        )
+        .await
+        .expect("direct");
+    assert_eq!(r.status, 201, "{:?}", r.json);
+    let mine = json!({"_id": "a", "messages": [{"id": "mine"}]});
+    let r = agent.send(Method::PUT, "/db/a", Some(&mine), &[]).await.expect("agent");
+    assert_eq!(r.status, 201, "{:?}", r.json);
+    let doc = direct.send(Method::GET, "/db/a", None, &[]).await.expect("read").json;
+    assert_eq!(message_ids(&doc), ["direct", "mine"], "{doc}");
+
+    // "On 409 take the latest `_rev` and PUT my copy again": a copy read as absent, with the
+    // latest `_rev` in its body or in `If-Match`, is written (no 409 forever), and deletes
+    // nothing another writer stored.
+    for (n, in_header) in [(1, false), (2, true)] {
+        let mut copy = json!({"_id": "a", "messages": [{"id": format!("late-{n}")}]});
+        let latest = direct.send(Method::GET, "/db/a", None, &[]).await.expect("read").json;
+        let rev = latest["_rev"].as_str().expect("a _rev").to_owned();
+        let headers = if in_header {
+            vec![("if-match", format!("\"{rev}\""))]
+        } else {
+            copy["_rev"] = json!(rev);
+            vec![]
+        };
+        let r = agent
+            .send(Method::PUT, "/db/a", Some(&copy), &headers)
+            .await
+            .expect("agent");
+        assert_eq!(r.status, 201, "copy {n}: {:?}", r.json);
+    }
+    let doc = direct.send(Method::GET, "/db/a", None, &[]).await.expect("read").json;
+    assert_eq!(message_ids(&doc), ["direct", "mine", "late-1", "late-2"], "{doc}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn couchdb_database_resources_pass_through_untouched() {
+    let couch = pouchdb_server();
+    let redis = RedisServer::start();
+    let routes = routes_file(COUCHDB_ROUTES);
+    let p = sidecar(&couch, &redis, &routes).await;
+    let direct = JsonClient::new(couch.url());
+    let agent = JsonClient::new(format!("http://{}", p.addr));
+    let r = direct.send(Method::PUT, "/db", None, &[]).await.expect("create db");
+    assert!(r.status.is_success(), "{}", r.status);
+    let security = json!({"admins": {"names": ["ops"], "roles": []}, "members": {"names": [], "roles": []}});
+    let through = agent
+        .send(Method::PUT, "/db/_security", Some(&security), &[])
+        .await
+        .expect("security through the sidecar");
+    let straight = direct
+        .send(Method::PUT, "/db/_security", Some(&security), &[])
+        .await
+        .expect("security straight");
+    assert_eq!(
+        (through.status, &through.json),
+        (straight.status, &straight.json),
+        "the store's own answer"
+    );
+    let stored = direct
+        .send(Method::GET, "/db/_security", None, &[])
+        .await
+        .expect("read")
+        .json;
+    assert_eq!(stored, security, "stored as sent, no turnlock field");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn couchdb_careful_writers_beside_sidecars_on_new_documents_lose_nothing() {
+    let couch = pouchdb_server();
+    let redis = RedisServer::start();
+    let routes = routes_file(COUCHDB_ROUTES);
+    let mut proxies = Vec::new();
+    for _ in 0..3 {
+        proxies.push(sidecar(&couch, &redis, &routes).await);
+    }
+    let direct = JsonClient::new(couch.url());
+    let r = direct.send(Method::PUT, "/db", None, &[]).await.expect("create db");
+    assert!(r.status.is_success(), "{}", r.status);
+    let endpoints: Vec<String> = proxies.iter().map(|p| format!("http://{}", p.addr)).collect();
+    // 6 agents through the sidecars ("take the latest _rev" on 409), 3 careful ones straight
+    // to the store, 6 writes each, on 4 documents that do not exist yet.
+    let args = [
+        endpoints.join(","),
+        couch.url(),
+        "db".to_owned(),
+        "4".to_owned(),
+        "6".to_owned(),
+        "3".to_owned(),
+        "6".to_owned(),
+    ];
+    let run = tokio::task::spawn_blocking(move || {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        run_python("couch_absent.py", &args)
+    })
+    .await
+    .expect("python");
+    assert_eq!(run["lost"], json!([]), "acknowledged writes lost: {run}");
+    assert_eq!(run["dup"], json!([]), "{run}");
+    assert_eq!(run["error_count"], 0, "{run}");
+    assert_eq!(run["acked"], run["writes"], "{run}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn couchdb_copies_that_differ_only_in_their_rev_are_no_conflict() {
+    let couch = pouchdb_server();
+    let redis = RedisServer::start();
+    let routes = routes_file(COUCHDB_ROUTES);
+    let p = sidecar(&couch, &redis, &routes).await;
+    let direct = JsonClient::new(couch.url());
+    let r = direct.send(Method::PUT, "/db", None, &[]).await.expect("create db");
+    assert!(r.status.is_success(), "{}", r.status);
+    // 12 agents on one document through one sidecar: their PUTs are merged in batches, each
+    // copy carrying the `_rev` it read (or took after a 409).
+    let args = [
+        format!("http://{}", p.addr),
+        couch.url(),
+        "db".to_owned(),
+        "1".to_owned(),
+        "12".to_owned(),
+        "0".to_owned(),
+        "6".to_owned(),
+    ];
+    let run = tokio::task::spawn_blocking(move || {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        run_python("couch_absent.py", &args)
+    })
+    .await
+    .expect("python");
+    assert_eq!(run["lost"], json!([]), "{run}");
+    assert_eq!(run["acked"], run["writes"], "{run}");
+    assert_eq!(run["turnlock_conflict_count"], 0, "{run}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn if_none_match_star_on_an_existing_document_is_refused_in_every_dialect() {
+    // turnlock's own API in front of the stand-in store.
+    let store = crate::support::store().await;
+    let p = proxy(proxy_args(store.addr, None)).await;
+    let agent = crate::support::client(p.addr);
+    let create = json!({"turn": 1, "messages": [{"id": "a"}]});
+    let star = [("if-none-match", "*".to_owned())];
+    let r = agent
+        .send(Method::PUT, "/v1/sessions/inm", Some(&create), &star)
+        .await
+        .expect("create");
+    assert!(r.status.is_success(), "{} {}", r.status, r.json);
+    let again = json!({"turn": 1, "messages": [{"id": "b"}]});
+    let r = agent
+        .send(Method::PUT, "/v1/sessions/inm", Some(&again), &star)
+        .await
+        .expect("again");
+    assert_eq!(
+        (r.status.as_u16(), r.json["error"].as_str()),
+        (412, Some("version_mismatch")),
+        "{}",
+        r.json
+    );
+
+    // CouchDB: 409 conflict, as CouchDB refuses a create over a document.
+    let couch = pouchdb_server();
+    let redis = RedisServer::start();
+    let routes = routes_file(COUCHDB_ROUTES);
+    let p = sidecar(&couch, &redis, &routes).await;
+    let direct = JsonClient::new(couch.url());
+    let agent = JsonClient::new(format!("http://{}", p.addr));
+    direct.send(Method::PUT, "/db", None, &[]).await.expect("create db");
+    let r = direct
+        .send(Method::PUT, "/db/x", Some(&json!({"messages": [{"id": "first"}]})), &[])
+        .await
+        .expect("seed");
+    assert_eq!(r.status, 201);
+    let r = agent
+        .send(
+            Method::PUT,
+            "/db/x",
+            Some(&json!({"messages": [{"id": "second"}]})),
+            &star,
+        )
+        .await
+        .expect("put");
+    assert_eq!(
+        (r.status.as_u16(), r.json["error"].as_str()),
+        (409, Some("conflict")),
+        "{}",
+        r.json
+    );
+    let doc = direct.send(Method::GET, "/db/x", None, &[]).await.expect("read").json;
+    assert_eq!(message_ids(&doc), ["first"], "{doc}");
+}
