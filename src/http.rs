@@ -61,6 +61,13 @@ const HOP_BY_HOP: [HeaderName; 8] = [
 
 /// Removes hop-by-hop headers, including any the `Connection` header names.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    // One pass over the names present (usually a handful), not one lookup per listed name.
+    let present = headers
+        .keys()
+        .any(|name| HOP_BY_HOP.contains(name) || name.as_str() == "proxy-connection");
+    if !present {
+        return;
+    }
     let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
         .iter()

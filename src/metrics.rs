@@ -132,11 +132,29 @@ struct Inner {
     upstream_responses: Family<OpStatus, Counter>,
     upstream_retries: Counter,
     requests: Family<RouteStatus, Counter>,
+    /// The counters of the commonest answers, by status, looked up once: a request passed
+    /// through successfully (route `forward`), and the store's answer to it.
+    forwarded: StatusCounters,
+    store_forwarded: StatusCounters,
     writes_in_flight: Gauge,
     dependency_up: Family<DependencyLabel, Gauge>,
     redis_errors: Family<RedisFailure, Counter>,
     process: Process,
     write_seconds: Histogram,
+}
+
+/// A counter per HTTP status, each taken from its family at its first use.
+struct StatusCounters(Box<[std::sync::OnceLock<Counter>]>);
+
+impl StatusCounters {
+    fn new() -> Self {
+        Self((0..600).map(|_| std::sync::OnceLock::new()).collect())
+    }
+
+    /// The counter of `status`, or `None` for a status outside 0–599.
+    fn get(&self, status: u16, make: impl FnOnce() -> Counter) -> Option<&Counter> {
+        self.0.get(usize::from(status)).map(|c| c.get_or_init(make))
+    }
 }
 
 /// Gauges of the process itself, refreshed at each scrape from `/proc/self`.
@@ -298,6 +316,8 @@ impl Metrics {
                 upstream_responses,
                 upstream_retries,
                 requests,
+                forwarded: StatusCounters::new(),
+                store_forwarded: StatusCounters::new(),
                 writes_in_flight,
                 dependency_up,
                 redis_errors,
@@ -347,10 +367,15 @@ impl Metrics {
     /// One answered agent request; `code` is the answer's error code (empty on success).
     pub fn request(&self, route: &'static str, status: u16, code: &str) {
         let error = if code.is_empty() { "" } else { error_label(code) };
-        self.inner
-            .requests
-            .get_or_create(&RouteStatus { route, status, error })
-            .inc();
+        let labels = RouteStatus { route, status, error };
+        if route == "forward" && error.is_empty() {
+            let make = || self.inner.requests.get_or_create(&labels).clone();
+            if let Some(counter) = self.inner.forwarded.get(status, make) {
+                counter.inc();
+                return;
+            }
+        }
+        self.inner.requests.get_or_create(&labels).inc();
     }
 
     /// One write answered (any answer, refusals included), `took` after it arrived.
@@ -360,10 +385,15 @@ impl Metrics {
 
     /// One store answer (`status` 0 when none came).
     pub fn upstream_response(&self, op: &'static str, status: u16) {
-        self.inner
-            .upstream_responses
-            .get_or_create(&OpStatus { op, status })
-            .inc();
+        let labels = OpStatus { op, status };
+        if op == "forward" {
+            let make = || self.inner.upstream_responses.get_or_create(&labels).clone();
+            if let Some(counter) = self.inner.store_forwarded.get(status, make) {
+                counter.inc();
+                return;
+            }
+        }
+        self.inner.upstream_responses.get_or_create(&labels).inc();
     }
 
     /// A store request sent again on a fresh connection.

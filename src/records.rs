@@ -45,6 +45,55 @@ impl Records {
         }
     }
 
+    /// Stores `value` only if `key` is absent, in one round trip: `None` when it was stored,
+    /// else what `key` holds. With Redis, `SET NX GET` (Redis 7.0 and later); an older
+    /// server refuses it, and the claim is then made as a `GET` and a `SET NX`.
+    pub async fn put_new_or_get(&self, key: &str, value: Bytes, ttl: Duration) -> Result<Option<Bytes>, RecordError> {
+        match self {
+            Records::Memory(map) => {
+                let now = Instant::now();
+                let mut entry = map.entry(key.to_owned()).or_insert((Bytes::new(), now));
+                if entry.1 > now {
+                    return Ok(Some(entry.0.clone()));
+                }
+                *entry = (value, now + ttl);
+                Ok(None)
+            }
+            Records::Redis(conn) => {
+                let sent = value.clone();
+                let found: Result<Option<Vec<u8>>, RecordError> = conn
+                    .run(|mut c| async move {
+                        redis::cmd("SET")
+                            .arg(key)
+                            .arg(sent.as_ref())
+                            .arg("NX")
+                            .arg("PX")
+                            .arg(ttl.as_millis() as u64)
+                            .arg("GET")
+                            .query_async(&mut c)
+                            .await
+                    })
+                    .await
+                    .map_err(err);
+                match found {
+                    Ok(found) => Ok(found.map(Bytes::from)),
+                    Err(e) if e.0.contains("syntax error") => {
+                        for _ in 0..2 {
+                            if let Some(found) = self.get(key).await? {
+                                return Ok(Some(found));
+                            }
+                            if self.put_new(key, value.clone(), ttl).await? {
+                                return Ok(None);
+                            }
+                        }
+                        Ok(self.get(key).await?.or(Some(Bytes::new())))
+                    }
+                    Err(e) => Err(e),
+                }
+            }
+        }
+    }
+
     /// Stores `value` only if `key` is absent; returns whether it was stored.
     pub async fn put_new(&self, key: &str, value: Bytes, ttl: Duration) -> Result<bool, RecordError> {
         match self {

@@ -457,6 +457,14 @@ struct FileTurn {
 }
 
 impl Routes {
+    /// Whether a route merges a client's full document three ways (`kind = "put"`): only
+    /// such a write reads back the snapshot of the version its client read.
+    pub fn has_merged_put(&self) -> bool {
+        self.routes
+            .iter()
+            .any(|r| matches!(r.mode, Mode::Merge { kind: Kind::Put, .. }))
+    }
+
     /// The canonical API under `prefix`.
     pub fn canonical(prefix: &str) -> Result<Self, String> {
         let prefix = prefix.trim_end_matches('/');

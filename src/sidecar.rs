@@ -106,6 +106,7 @@ fn assemble(args: &ProxyArgs) -> Result<Assembled, StartError> {
         Some(path) => Routes::from_file(path, &args.session_prefix).map_err(|e| ConfigError(e.to_string()))?,
         None => Routes::canonical(&args.session_prefix).map_err(ConfigError)?,
     };
+    let snapshots = routes.has_merged_put();
     let factory = ProxyFactory {
         routes,
         locks: locks.clone(),
@@ -120,6 +121,7 @@ fn assemble(args: &ProxyArgs) -> Result<Assembled, StartError> {
             max_batch: args.max_batch,
             upstream_timeout: Duration::from_millis(args.upstream_timeout_ms),
             max_document_bytes: args.max_document_bytes,
+            snapshots,
         },
         upstream_timeout: Duration::from_millis(args.upstream_timeout_ms),
         pool: PoolSettings {

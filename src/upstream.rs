@@ -154,6 +154,28 @@ pub enum Precondition {
     None,
 }
 
+/// A document the store sent, parsed: a JSON object whose `messages`, when present, is an array.
+pub fn parse_document(bytes: &[u8]) -> Result<crate::merge::Document, UpstreamError> {
+    match serde_json::from_slice::<serde_json::Value>(bytes) {
+        Ok(serde_json::Value::Object(doc)) => {
+            if doc.get("messages").is_some_and(|m| !m.is_array()) {
+                Err(UpstreamError::InvalidDocument("`messages` is not an array".into()))
+            } else {
+                Ok(doc)
+            }
+        }
+        Ok(_) => Err(UpstreamError::InvalidDocument("not a JSON object".into())),
+        Err(e) => Err(UpstreamError::InvalidDocument(e.to_string())),
+    }
+}
+
+/// A document as the store sent it.
+#[derive(Debug)]
+pub struct FetchedRaw {
+    pub body: Option<Bytes>,
+    pub etag: Option<HeaderValue>,
+}
+
 /// A document as read from the store.
 #[derive(Debug)]
 pub struct Fetched {
@@ -322,6 +344,19 @@ impl Upstream {
         }
     }
 
+    /// The store's URI for a request URI as the agent sent it: its path and query kept as they
+    /// are (not copied nor parsed again) when the store's URL has no path of its own.
+    pub fn uri_of(&self, uri: &Uri) -> Result<Uri, http::Error> {
+        match uri.path_and_query() {
+            Some(pq) if self.base_path.is_empty() => Uri::builder()
+                .scheme(self.scheme.clone())
+                .authority(self.authority.clone())
+                .path_and_query(pq.clone())
+                .build(),
+            pq => self.uri(pq.map_or("/", |p| p.as_str())),
+        }
+    }
+
     /// The store's URI for a request path (and query) as the agent sent it.
     pub fn uri(&self, path_and_query: &str) -> Result<Uri, http::Error> {
         Uri::builder()
@@ -427,6 +462,19 @@ impl Upstream {
     /// [`Upstream::get_document`] with the client's credentials (its `Authorization`, when
     /// the store's dialect keeps it), or signed by turnlock when configured to.
     pub async fn get_document_with(&self, path: &str, store: &StoreParts) -> Result<Fetched, UpstreamError> {
+        let raw = self.get_document_raw_with(path, store).await?;
+        let doc = raw.body.as_deref().map(parse_document).transpose()?;
+        Ok(Fetched { doc, etag: raw.etag })
+    }
+
+    /// Reads a document as the store sent it (`body` `None` when absent), unparsed.
+    pub async fn get_document_raw(&self, path: &str) -> Result<FetchedRaw, UpstreamError> {
+        self.get_document_raw_with(path, &StoreParts::default()).await
+    }
+
+    /// [`Upstream::get_document_raw`] with the client's credentials, or signed by turnlock
+    /// when configured to (as [`Upstream::get_document_with`]).
+    pub async fn get_document_raw_with(&self, path: &str, store: &StoreParts) -> Result<FetchedRaw, UpstreamError> {
         let started = Instant::now();
         let mut req = Request::builder()
             .method(Method::GET)
@@ -445,22 +493,15 @@ impl Upstream {
             Ok(res) if res.status() == StatusCode::NOT_FOUND => {
                 // Drain so the connection returns to the pool.
                 let _ = self.body(res).await;
-                Ok(Fetched { doc: None, etag: None })
+                Ok(FetchedRaw { body: None, etag: None })
             }
             Ok(res) if res.status().is_success() => {
                 let etag = res.headers().get(header::ETAG).cloned();
                 let bytes = self.body(res).await?;
-                match serde_json::from_slice::<serde_json::Value>(&bytes) {
-                    Ok(serde_json::Value::Object(doc)) => {
-                        if doc.get("messages").is_some_and(|m| !m.is_array()) {
-                            Err(UpstreamError::InvalidDocument("`messages` is not an array".into()))
-                        } else {
-                            Ok(Fetched { doc: Some(doc), etag })
-                        }
-                    }
-                    Ok(_) => Err(UpstreamError::InvalidDocument("not a JSON object".into())),
-                    Err(e) => Err(UpstreamError::InvalidDocument(e.to_string())),
-                }
+                Ok(FetchedRaw {
+                    body: Some(bytes),
+                    etag,
+                })
             }
             Ok(res) => {
                 let status = res.status();

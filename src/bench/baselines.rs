@@ -54,6 +54,33 @@ pub async fn get_modify_put(http: &Http, store: &str, session: &str, turn: u64, 
     )
 }
 
+/// GET the document, drop all but its last `keep` messages, PUT it back (under the caller's
+/// lock); the ids dropped, when the store acknowledged.
+pub async fn compact(http: &Http, store: &str, session: &str, keep: usize) -> Vec<String> {
+    let url = format!("{store}/v1/sessions/{session}");
+    let mut doc = match http.get(&url).await {
+        Ok(r) if r.status == StatusCode::OK => match serde_json::from_slice::<Value>(&r.body) {
+            Ok(doc) => doc,
+            Err(_) => return Vec::new(),
+        },
+        _ => return Vec::new(),
+    };
+    let dropped: Vec<Value> = match doc.get_mut("messages") {
+        Some(Value::Array(messages)) if messages.len() > keep => messages.drain(..messages.len() - keep).collect(),
+        _ => return Vec::new(),
+    };
+    let Ok(body) = serde_json::to_vec(&doc) else {
+        return Vec::new();
+    };
+    match http.send(Method::PUT, &url, Some(Bytes::from(body)), &[]).await {
+        Ok(r) if r.status.is_success() => dropped
+            .iter()
+            .filter_map(|m| m["id"].as_str().map(str::to_owned))
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
 /// How a polling lock waits between attempts.
 #[derive(Clone, Copy, Debug)]
 pub enum Waiting {

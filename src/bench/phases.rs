@@ -2,7 +2,7 @@
 
 use std::collections::HashSet;
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -14,6 +14,8 @@ use serde_json::{json, Value};
 use tokio::time::Instant;
 
 use super::baselines::{self, PollingLock, Waiting};
+use super::compaction::{self, Target};
+use super::histograms::Histograms;
 use super::load::{bursts, closed_loop, Http, Phase};
 use super::procs::{self, Child};
 use super::{BenchError, HotRow, PassRow, Plan, Resources, WriteRow};
@@ -26,6 +28,11 @@ pub const BACKOFF: &str = "backoff lock";
 pub const STEADY: &str = "steady";
 /// Rounds: every writer writes once, the next round starts when all are answered.
 pub const BURSTS: &str = "bursts";
+/// The hot session's document grows by every write.
+pub const GROWING: &str = "growing";
+/// The hot session's document is compacted periodically, as agents do: it stays near
+/// [`compaction::KEEP`] messages.
+pub const COMPACTED: &str = "compacted";
 
 /// Sessions each writer of the uncontended phase cycles through.
 const SESSIONS_PER_WRITER: u64 = 8;
@@ -98,7 +105,7 @@ impl Rig {
         })
     }
 
-    pub async fn passthrough(&self, plan: &Plan, wrk: &str) -> Result<Vec<PassRow>, BenchError> {
+    pub async fn passthrough(&self, plan: &Plan, wrk: &str, nginx: &str) -> Result<Vec<PassRow>, BenchError> {
         let path = "/v1/sessions/read-0";
         let messages: Vec<Value> = (0..READ_DOC_MESSAGES)
             .map(|i| baselines::message(&format!("m-{i}")))
@@ -118,6 +125,15 @@ impl Rig {
                 "cannot seed the document read in the pass-through phase".into(),
             ));
         }
+        let nginx = match procs::nginx_program(nginx) {
+            Some(program) => Some(procs::nginx(&program, self.store.addr).await?),
+            None => {
+                tracing::warn!(
+                    "nginx not found: no nginx pass-through figures (install it with `apt-get install -y nginx-light`)"
+                );
+                None
+            }
+        };
         let wrk_installed = procs::installed(wrk, "--version");
         if !wrk_installed {
             tracing::warn!("{wrk} not found: pass-through figures from the benchmark's own client only");
@@ -126,24 +142,42 @@ impl Rig {
         for &c in &plan.pass_levels {
             let direct_url = format!("{}{path}", self.store_url());
             let proxy_url = format!("{}{path}", self.proxy_url(0));
+            let nginx_url = nginx.as_ref().map(|n| format!("http://{}{path}", n.addr));
             let direct = get_loop(plan, c, &direct_url).await;
             let proxy = get_loop(plan, c, &proxy_url).await;
-            let (wrk_direct, wrk_proxy) = if wrk_installed {
+            let nginx_stats = match &nginx_url {
+                Some(url) => Some(get_loop(plan, c, url).await),
+                None => None,
+            };
+            let (wrk_direct, wrk_proxy, wrk_nginx) = if wrk_installed {
                 let d = super::wrk::run(wrk, &direct_url, c, plan.measure).await;
                 let p = super::wrk::run(wrk, &proxy_url, c, plan.measure).await;
-                if let Err(e) = d.as_ref().and(p.as_ref()) {
+                let n = match &nginx_url {
+                    Some(url) => Some(super::wrk::run(wrk, url, c, plan.measure).await),
+                    None => None,
+                };
+                for e in [
+                    d.as_ref().err(),
+                    p.as_ref().err(),
+                    n.as_ref().and_then(|n| n.as_ref().err()),
+                ]
+                .into_iter()
+                .flatten()
+                {
                     tracing::warn!(error = %e, "wrk run failed");
                 }
-                (d.ok(), p.ok())
+                (d.ok(), p.ok(), n.and_then(Result::ok))
             } else {
-                (None, None)
+                (None, None, None)
             };
             rows.push(PassRow {
                 concurrency: c,
                 direct,
                 proxy,
+                nginx: nginx_stats,
                 wrk_direct,
                 wrk_proxy,
+                wrk_nginx,
             });
         }
         Ok(rows)
@@ -199,10 +233,12 @@ impl Rig {
 
     pub async fn hot(&self, plan: &Plan) -> Result<Vec<HotRow>, BenchError> {
         let mut rows = Vec::new();
-        for &writers in &plan.hot_levels {
-            for load in [STEADY, BURSTS] {
-                for design in [TURNLOCK, BACKOFF, NAIVE] {
-                    rows.push(self.hot_one(plan, writers, design, load).await?);
+        for doc in [GROWING, COMPACTED] {
+            for &writers in &plan.hot_levels {
+                for load in [STEADY, BURSTS] {
+                    for design in [TURNLOCK, BACKOFF, NAIVE] {
+                        rows.push(self.hot_one(plan, writers, design, load, doc).await?);
+                    }
                 }
             }
         }
@@ -215,8 +251,25 @@ impl Rig {
         writers: usize,
         design: &'static str,
         load: &'static str,
+        doc: &'static str,
     ) -> Result<HotRow, BenchError> {
-        let session = format!("hot-{}-{load}-{writers}", design.replace(' ', "-"));
+        let session = format!("hot-{}-{load}-{writers}-{doc}", design.replace(' ', "-"));
+        let stop = Arc::new(AtomicBool::new(false));
+        let compactor = (doc == COMPACTED).then(|| {
+            let polling = PollingLock::new(
+                self.redis_conn.clone(),
+                Waiting::Backoff {
+                    first: baselines::BACKOFF_FIRST,
+                    max: baselines::BACKOFF_MAX,
+                },
+            );
+            let target = if design == TURNLOCK {
+                Target::Proxy(self.proxy_url(0))
+            } else {
+                Target::Store(self.store_url(), polling)
+            };
+            compaction::spawn(self.http.clone(), target, &session, stop.clone())
+        });
         let phase = Phase {
             workers: writers,
             warmup: plan.warmup,
@@ -293,8 +346,13 @@ impl Rig {
         };
         let cpu_after = self.proxies_cpu();
         let after = self.histograms().await;
+        stop.store(true, Ordering::Relaxed);
+        let compacted = match compactor {
+            Some(c) => c.await.unwrap_or_default(),
+            None => Vec::new(),
+        };
         let acked = std::mem::take(&mut *lock(&acked));
-        let (lost, duplicated) = self.verify(&session, &acked).await?;
+        let (lost, duplicated) = self.verify(&session, &acked, &compacted).await?;
         let turnlock = design == TURNLOCK;
         let explained = match (before, after) {
             (Some(b), Some(a)) if turnlock => Some(a.since(&b)),
@@ -304,6 +362,7 @@ impl Rig {
             writers,
             design: design.to_owned(),
             load: load.to_owned(),
+            doc: doc.to_owned(),
             stats,
             busy: busy.load(Ordering::Relaxed),
             acked_total: acked.len() as u64,
@@ -318,8 +377,9 @@ impl Rig {
         })
     }
 
-    /// Acknowledged messages missing from the stored document, and messages stored twice.
-    async fn verify(&self, session: &str, acked: &[String]) -> Result<(u64, u64), BenchError> {
+    /// Acknowledged messages missing from the stored document (and not compacted away),
+    /// and messages stored twice.
+    async fn verify(&self, session: &str, acked: &[String], compacted: &[String]) -> Result<(u64, u64), BenchError> {
         let url = format!("{}/v1/sessions/{session}", self.store_url());
         let stored: Vec<String> = match self.http.get(&url).await {
             Ok(r) if r.status == StatusCode::OK => serde_json::from_slice::<Value>(&r.body)
@@ -334,8 +394,11 @@ impl Rig {
             _ => return Err(BenchError::Failed(format!("cannot read back {session} from the store"))),
         };
         let unique: HashSet<&String> = stored.iter().collect();
-        let lost = acked.iter().filter(|id| !unique.contains(id)).count() as u64;
-        Ok((lost, (stored.len() - unique.len()) as u64))
+        let twice = (stored.len() - unique.len()) as u64;
+        let mut kept = unique;
+        kept.extend(compacted);
+        let lost = acked.iter().filter(|id| !kept.contains(id)).count() as u64;
+        Ok((lost, twice))
     }
 
     /// Commands the proxy sends to Redis per uncontended append, counted with `MONITOR`
@@ -437,52 +500,6 @@ where
         bursts(phase, op).await
     } else {
         closed_loop(phase, op).await
-    }
-}
-
-/// A histogram's sum and count.
-#[derive(Clone, Copy, Default)]
-struct SumCount {
-    sum: f64,
-    count: f64,
-}
-
-impl SumCount {
-    fn add(&mut self, sum: f64, count: f64) {
-        self.sum += sum;
-        self.count += count;
-    }
-
-    fn mean(&self) -> Option<f64> {
-        (self.count > 0.0).then(|| self.sum / self.count)
-    }
-
-    fn since(&self, before: &SumCount) -> SumCount {
-        SumCount {
-            sum: self.sum - before.sum,
-            count: self.count - before.count,
-        }
-    }
-}
-
-#[derive(Clone, Copy, Default)]
-struct Histograms {
-    batch: SumCount,
-    hold: SumCount,
-    wait: SumCount,
-    get: SumCount,
-    put: SumCount,
-}
-
-impl Histograms {
-    fn since(&self, before: &Histograms) -> Histograms {
-        Histograms {
-            batch: self.batch.since(&before.batch),
-            hold: self.hold.since(&before.hold),
-            wait: self.wait.since(&before.wait),
-            get: self.get.since(&before.get),
-            put: self.put.since(&before.put),
-        }
     }
 }
 

@@ -20,6 +20,8 @@ pub struct Child {
     /// The admin address, for a proxy.
     pub admin: Option<SocketAddr>,
     child: std::process::Child,
+    /// A directory of the process's own (nginx's configuration), removed with it.
+    scratch: Option<std::path::PathBuf>,
 }
 
 impl Child {
@@ -38,6 +40,7 @@ impl Child {
             addr,
             admin: None,
             child,
+            scratch: None,
         };
         child.wait_ready().await?;
         Ok(child)
@@ -89,6 +92,9 @@ impl Drop for Child {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        if let Some(dir) = &self.scratch {
+            let _ = std::fs::remove_dir_all(dir);
+        }
     }
 }
 
@@ -172,6 +178,53 @@ pub async fn proxy(exe: &Path, n: usize, store: SocketAddr, redis: SocketAddr) -
     let mut child = Child::spawn(&format!("proxy {n}"), exe, &args, addr).await?;
     child.admin = Some(admin);
     Ok(child)
+}
+
+/// The nginx to run: `program` when it runs, else `/usr/sbin/nginx` (Debian's, often not on
+/// a user's `PATH`); `None` when neither does.
+pub fn nginx_program(program: &str) -> Option<String> {
+    [program, "/usr/sbin/nginx"]
+        .into_iter()
+        .find(|p| installed(p, "-v"))
+        .map(str::to_owned)
+}
+
+/// Starts nginx as a pass-through peer in front of `store`: one worker process, keep-alive
+/// connections to the store (as turnlock keeps them), no access log.
+pub async fn nginx(program: &str, store: SocketAddr) -> Result<Child, BenchError> {
+    let addr = free_addr()?;
+    let dir = std::env::temp_dir().join(format!("turnlock-bench-nginx-{}-{}", std::process::id(), addr.port()));
+    let fail = |e: std::io::Error| BenchError::Start(format!("nginx: {e}"));
+    std::fs::create_dir_all(&dir).map_err(fail)?;
+    let d = dir.display();
+    let conf = format!(
+        "daemon off;\nmaster_process on;\nworker_processes 1;\npid {d}/nginx.pid;\nerror_log {d}/error.log warn;\n\
+         events {{ worker_connections 4096; }}\n\
+         http {{\n  access_log off;\n  client_body_temp_path {d}/body;\n  proxy_temp_path {d}/proxy;\n\
+           fastcgi_temp_path {d}/fastcgi;\n  uwsgi_temp_path {d}/uwsgi;\n  scgi_temp_path {d}/scgi;\n\
+           upstream store {{ server {store}; keepalive 256; }}\n\
+           server {{\n    listen {addr};\n    location / {{\n      proxy_pass http://store;\n\
+               proxy_http_version 1.1;\n      proxy_set_header Connection \"\";\n    }}\n  }}\n}}\n"
+    );
+    let path = dir.join("nginx.conf");
+    std::fs::write(&path, conf).map_err(fail)?;
+    let args = vec![
+        "-p".into(),
+        dir.to_string_lossy().into_owned(),
+        "-c".into(),
+        path.to_string_lossy().into_owned(),
+    ];
+    let started = Child::spawn("nginx", Path::new(program), &args, addr).await;
+    match started {
+        Ok(mut child) => {
+            child.scratch = Some(dir);
+            Ok(child)
+        }
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&dir);
+            Err(e)
+        }
+    }
 }
 
 /// What the machine is, for the record.

@@ -27,6 +27,11 @@ use crate::session::Scope;
 const BACKOFF_MIN: Duration = Duration::from_micros(500);
 const BACKOFF_MAX: Duration = Duration::from_millis(16);
 
+/// How long a waiter keeps its place in a lock's fair order without asking again: well
+/// above the longest pause between two of its attempts ([`BACKOFF_MAX`], a Redis round trip),
+/// and the longest a waiter that gave up without saying so can hold the lock back.
+pub(crate) const WAITER_TTL: Duration = Duration::from_millis(250);
+
 #[derive(Debug, thiserror::Error)]
 pub enum LockError {
     #[error("lock not obtained within {0:?}")]
@@ -140,6 +145,22 @@ impl Locks {
         deadline: Instant,
         metrics: &Metrics,
     ) -> Result<Lease, LockError> {
+        let waiter = format!("{:016x}", rand::random::<u64>());
+        self.acquire_as(key, fence_key, deadline, metrics, &waiter).await
+    }
+
+    /// Takes `key` as `waiter`, waiting until `deadline` at the most. With Redis, waiters of
+    /// all proxies take the lock in the order they first asked for it (a waiter keeps its
+    /// place across calls with the same id while it keeps asking, see [`WAITER_TTL`]): a
+    /// proxy that just released it waits behind the others.
+    pub async fn acquire_as(
+        &self,
+        key: &str,
+        fence_key: &str,
+        deadline: Instant,
+        metrics: &Metrics,
+        waiter: &str,
+    ) -> Result<Lease, LockError> {
         let started = Instant::now();
         let token = format!("{:032x}", rand::random::<u128>());
         let mut backoff = BACKOFF_MIN;
@@ -150,7 +171,7 @@ impl Locks {
         let mut wake: Option<Wake> = None;
         let result = loop {
             let sent = Instant::now();
-            match self.try_acquire(key, fence_key, &token).await {
+            match self.try_acquire(key, fence_key, &token, waiter).await {
                 Ok(Attempt::Granted { fence }) => {
                     break Ok(self.lease(key, token, fence, sent));
                 }
@@ -180,10 +201,19 @@ impl Locks {
         result
     }
 
-    async fn try_acquire(&self, key: &str, fence_key: &str, token: &str) -> Result<Attempt, LockError> {
+    async fn try_acquire(&self, key: &str, fence_key: &str, token: &str, waiter: &str) -> Result<Attempt, LockError> {
         match self {
             Locks::Memory(m) => Ok(m.try_acquire(key, fence_key, token)),
-            Locks::Redis(r) => r.try_acquire(key, fence_key, token).await,
+            Locks::Redis(r) => r.try_acquire(key, fence_key, token, waiter).await,
+        }
+    }
+
+    /// Gives up `waiter`'s place in `key`'s order (it stops waiting for it).
+    pub async fn leave(&self, key: &str, waiter: &str) {
+        if let Locks::Redis(r) = self {
+            if let Err(e) = r.leave(key, waiter).await {
+                tracing::debug!(error = %e, "a waiter's place not given up; it lapses by itself");
+            }
         }
     }
 

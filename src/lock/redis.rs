@@ -102,8 +102,16 @@ impl RedisLocks {
         &self.conn
     }
 
-    pub(super) async fn try_acquire(&self, key: &str, fence_key: &str, token: &str) -> Result<Attempt, LockError> {
+    pub(super) async fn try_acquire(
+        &self,
+        key: &str,
+        fence_key: &str,
+        token: &str,
+        waiter: &str,
+    ) -> Result<Attempt, LockError> {
         let lease_ms = self.settings.lease.as_millis() as u64;
+        let (queue, expiries) = (format!("{key}:waiters"), format!("{key}:waiting"));
+        let waiter_ttl_ms = super::WAITER_TTL.as_millis() as u64;
         let counter_ttl_ms = self.settings.key_ttl.as_millis() as u64;
         let script = &self.scripts.acquire;
         let conn = match &self.replica_wait {
@@ -115,9 +123,13 @@ impl RedisLocks {
                 script
                     .key(key)
                     .key(fence_key)
+                    .key(&queue)
+                    .key(&expiries)
                     .arg(token)
                     .arg(lease_ms)
                     .arg(counter_ttl_ms)
+                    .arg(waiter)
+                    .arg(waiter_ttl_ms)
                     .invoke_async(&mut c)
                     .await
             })
@@ -134,6 +146,18 @@ impl RedisLocks {
                 remaining: Duration::from_millis(pttl.max(1) as u64),
             },
         })
+    }
+
+    /// Gives up `waiter`'s ticket for `key` (it stopped waiting).
+    pub(super) async fn leave(&self, key: &str, waiter: &str) -> Result<(), LockError> {
+        let (queue, expiries) = (format!("{key}:waiters"), format!("{key}:waiting"));
+        let mut pipe = redis::pipe();
+        pipe.cmd("ZREM").arg(&queue).arg(waiter).ignore();
+        pipe.cmd("ZREM").arg(&expiries).arg(waiter).ignore();
+        self.conn
+            .run(|mut c| async move { pipe.query_async::<()>(&mut c).await })
+            .await
+            .map_err(backend)
     }
 
     /// Waits until the grant just made on `w.conn` reached enough replicas; gives it back

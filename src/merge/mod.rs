@@ -12,14 +12,18 @@ use std::collections::{HashMap, HashSet};
 use crate::session::{is_stale, SessionId};
 
 mod append;
+mod batch;
 mod compact;
 mod patch;
 mod put;
+mod raw;
 mod replace;
 
 use self::append::append_new;
+pub use self::batch::BatchDoc;
 #[cfg(test)]
 use self::put::without_id;
+pub use self::raw::{with_version, DigestCache, Finished, NotADocument, RawBatch};
 
 /// A session document: a JSON object with `session`, `turn`, `version`, `messages`, and any
 /// other fields, which belong to the application and survive every write.
@@ -126,7 +130,7 @@ pub fn canonical(value: &Value, out: &mut Vec<u8>) {
                 if i > 0 {
                     out.push(b',');
                 }
-                out.extend(serde_json::to_vec(k).unwrap_or_default());
+                let _ = serde_json::to_writer(&mut *out, k);
                 out.push(b':');
                 canonical(&map[k], out);
             }
@@ -142,18 +146,23 @@ pub fn canonical(value: &Value, out: &mut Vec<u8>) {
             }
             out.push(b']');
         }
-        other => out.extend(serde_json::to_vec(other).unwrap_or_default()),
+        other => {
+            let _ = serde_json::to_writer(&mut *out, other);
+        }
     }
 }
 
 /// A short digest of a value's canonical form (16 bytes of SHA-256, hex).
 pub fn digest(value: &Value) -> String {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
     let mut bytes = Vec::new();
     canonical(value, &mut bytes);
-    Sha256::digest(&bytes)[..16]
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    let mut out = String::with_capacity(32);
+    for b in &Sha256::digest(&bytes)[..16] {
+        out.push(HEX[usize::from(b >> 4)] as char);
+        out.push(HEX[usize::from(b & 0xf)] as char);
+    }
+    out
 }
 
 /// An object as a JSON object of its members' digest trees; any other value as its digest

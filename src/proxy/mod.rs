@@ -94,8 +94,9 @@ impl Proxy {
     /// ([`RouteName`]) for the request metrics layer.
     pub async fn handle(&self, req: Request<Body>, peer: SocketAddr) -> Response<Body> {
         let inner = &self.inner;
-        let path = req.uri().path().to_owned();
-        let (route_name, mut res) = match inner.routes.find(req.method(), &path) {
+        // The route's captures are owned: the path is not copied to find them.
+        let found = inner.routes.find(req.method(), req.uri().path());
+        let (route_name, mut res) = match found {
             // A request the store's protocol does not read as a write of the document (an
             // S3 subresource or copy, a CouchDB `_security`): forwarded untouched.
             Ok(Some((route, captures)))
@@ -136,8 +137,7 @@ impl Proxy {
         let upgrade = passthrough::upgrade_requested(req.headers());
         let client_upgrade = upgrade.as_ref().map(|_| hyper::upgrade::on(&mut req));
         let (mut parts, body) = req.into_parts();
-        let pq = parts.uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
-        parts.uri = match upstream.uri(pq) {
+        parts.uri = match upstream.uri_of(&parts.uri) {
             Ok(u) => u,
             Err(e) => return error(StatusCode::BAD_REQUEST, "invalid_path", e, None),
         };
@@ -154,8 +154,17 @@ impl Proxy {
             Ok(parts) => parts,
             Err(e) => return error(e.status(), e.code(), e, None),
         };
-        let (body, body_sent) = passthrough::Reported::new(body, upstream.timeout());
-        let req = Request::from_parts(parts, body.boxed());
+        // A request without a body (most reads) is sent as it is: nothing to report.
+        let (req, body_sent) = if http_body::Body::is_end_stream(&body) {
+            let sent = futures_util::future::Either::Left(std::future::ready(true));
+            (Request::from_parts(parts, body), sent)
+        } else {
+            let (body, sent) = passthrough::Reported::new(body, upstream.timeout());
+            (
+                Request::from_parts(parts, body.boxed()),
+                futures_util::future::Either::Right(sent),
+            )
+        };
         match upstream.forward(req, body_sent).await {
             Ok(mut res) => {
                 let switched = res.status() == StatusCode::SWITCHING_PROTOCOLS;
@@ -227,12 +236,32 @@ fn log_write(route: &str, session: &str, turn: u64, answer: &answer::Answer, sta
 }
 
 fn append_forwarded_for(headers: &mut http::HeaderMap, peer: SocketAddr) {
-    let ip = peer.ip().to_string();
+    let ip = peer.ip();
     let value = match headers.get("x-forwarded-for").and_then(|v| v.to_str().ok()) {
-        Some(prior) if !prior.is_empty() => format!("{prior}, {ip}"),
-        _ => ip,
+        Some(prior) if !prior.is_empty() => HeaderValue::from_str(&format!("{prior}, {ip}")).ok(),
+        _ => Some(forwarded_ip(ip)),
     };
-    if let Ok(v) = HeaderValue::from_str(&value) {
+    if let Some(v) = value {
         headers.insert("x-forwarded-for", v);
     }
+}
+
+/// The header value of an agent's address, written once per thread for the last address seen
+/// (an agent reaches its sidecar from one address).
+fn forwarded_ip(ip: std::net::IpAddr) -> HeaderValue {
+    thread_local! {
+        static LAST: std::cell::RefCell<Option<(std::net::IpAddr, HeaderValue)>> = const { std::cell::RefCell::new(None) };
+    }
+    LAST.with(|last| {
+        let mut last = last.borrow_mut();
+        match &*last {
+            Some((seen, value)) if *seen == ip => value.clone(),
+            _ => {
+                let value =
+                    HeaderValue::from_str(&ip.to_string()).unwrap_or_else(|_| HeaderValue::from_static("unknown"));
+                *last = Some((ip, value.clone()));
+                value
+            }
+        }
+    })
 }

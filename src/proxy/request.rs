@@ -297,7 +297,9 @@ pub async fn parse(
                 body: bytes.clone(),
                 once,
             };
-            ((turn, turn_given), action, fingerprint(b"serialize", json_body))
+            // The payload is hashed only for an idempotency record.
+            let fp = idempotency_key.is_some().then(|| fingerprint(b"serialize", json_body));
+            ((turn, turn_given), action, fp)
         }
         Mode::Merge { kind, document } => {
             let mut doc = parse_object(&bytes)?;
@@ -338,8 +340,9 @@ pub async fn parse(
             let allowed = turn_field(&route.turn);
             let mut op = build_op(*kind, doc, replace, if_match, allowed.as_deref())?;
             let tag: &[u8] = if replace { b"replace" } else { b"merge" };
-            let fp = fingerprint(tag, true);
-            if let (Some(key), Op::Append { messages }) = (&idempotency_key, &mut op) {
+            // The payload is hashed only for an idempotency record.
+            let fp = idempotency_key.is_some().then(|| fingerprint(tag, true));
+            if let (Some(key), Some(fp), Op::Append { messages }) = (&idempotency_key, &fp, &mut op) {
                 // A retry of this request (same key, same payload) gets the same ids, so
                 // de-duplication absorbs it even when the first attempt's outcome was unknown.
                 assign_ids(
@@ -358,7 +361,7 @@ pub async fn parse(
             )
         }
     };
-    let idempotency = idempotency_key.map(|k| Idempotency {
+    let idempotency = idempotency_key.zip(fp).map(|(k, fp)| Idempotency {
         key_digest: hex(&Sha256::digest(&k)),
         fingerprint: fp,
     });

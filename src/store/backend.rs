@@ -5,7 +5,6 @@ use std::sync::Arc;
 use bytes::Bytes;
 use dashmap::DashMap;
 use redis::Script;
-use serde_json::{Map, Value};
 
 use super::{Expect, PutOutcome};
 use crate::redis_conn::{RedisConn, DEFAULT_RESPONSE_TIMEOUT};
@@ -33,10 +32,10 @@ pub struct Stored {
     fence: u64,
 }
 
-/// The stored form: the document with its `version` field set to the store's version.
-fn encode(mut doc: Map<String, Value>, version: u64) -> Bytes {
-    doc.insert("version".into(), Value::from(version));
-    Bytes::from(serde_json::to_vec(&doc).unwrap_or_default())
+/// The stored form: the document (a JSON object, checked by the caller) with its `version`
+/// field set to the store's version, every other field as the client sent it.
+fn encode(doc: &[u8], version: u64) -> Bytes {
+    Bytes::from(crate::merge::with_version(doc, version).unwrap_or_default())
 }
 
 fn allowed(expect: Expect, current: Option<u64>) -> bool {
@@ -90,7 +89,7 @@ impl Backend {
     pub async fn put(
         &self,
         id: &str,
-        doc: Map<String, Value>,
+        doc: Bytes,
         expect: Expect,
         fence: Option<u64>,
     ) -> Result<PutOutcome, BackendError> {
@@ -108,7 +107,7 @@ impl Backend {
                     return Ok(PutOutcome::PreconditionFailed);
                 }
                 let version = current.unwrap_or(0) + 1;
-                let body = encode(doc, version);
+                let body = encode(&doc, version);
                 let stored = Stored {
                     version,
                     body: body.clone(),
@@ -141,7 +140,7 @@ impl Backend {
                         return Ok(PutOutcome::PreconditionFailed);
                     }
                     let base = current.unwrap_or(0);
-                    let body = encode(doc.clone(), base + 1);
+                    let body = encode(&doc, base + 1);
                     let script = put.clone();
                     let (k, b) = (key.clone(), body.clone());
                     let reply: i64 = conn

@@ -19,7 +19,7 @@ use http::header::{self, HeaderValue};
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
-use serde_json::{json, Value};
+use serde_json::json;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -230,9 +230,10 @@ impl Store {
                 ))
             }
         };
-        let doc = match serde_json::from_slice::<Value>(&bytes) {
-            Ok(Value::Object(doc)) => doc,
-            Ok(_) => {
+        // Checked as a JSON object without parsing it into values: the store keeps the bytes.
+        match crate::merge::with_version(&bytes, 0) {
+            Ok(_) => {}
+            Err(crate::merge::NotADocument::NotAnObject) => {
                 return Ok(error(
                     StatusCode::BAD_REQUEST,
                     "invalid_body",
@@ -240,8 +241,11 @@ impl Store {
                     None,
                 ))
             }
-            Err(e) => return Ok(error(StatusCode::BAD_REQUEST, "malformed_json", e, None)),
-        };
+            Err(crate::merge::NotADocument::Malformed(e)) => {
+                return Ok(error(StatusCode::BAD_REQUEST, "malformed_json", e, None))
+            }
+        }
+        let doc = bytes;
         Ok(match self.backend.put(id, doc, expect, fence).await? {
             PutOutcome::Fenced { token, highest } => error(
                 StatusCode::CONFLICT,

@@ -1027,7 +1027,20 @@ async fn a_redis_connection_cut_under_a_write_does_not_hold_up_the_session() {
         let agent = client(proxy.addr);
         tokio::spawn(async move { append_ids(&agent, "cut", 2, &["during"]).await })
     };
-    tokio::time::sleep(Duration::from_millis(150)).await;
+    // Cut once the write holds the document's commit slot (its write-back is then under
+    // way), however long a loaded machine took to get it there.
+    for _ in 0..200 {
+        if !redis.keys("turnlock:session:{cut}:*:slot").is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(
+        redis.keys("turnlock:session:{cut}:*:slot").len(),
+        1,
+        "the write holds the document's commit slot"
+    );
+    tokio::time::sleep(Duration::from_millis(50)).await;
     redis.cmd(&["CLIENT", "KILL", "TYPE", "normal"]);
     let during = during.await.expect("writer");
     assert_eq!(during.status, StatusCode::OK, "{}", during.json);

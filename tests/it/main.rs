@@ -17,6 +17,7 @@ mod commit_order;
 mod contention;
 mod deploy_metrics;
 mod edges;
+mod fair_order;
 mod faults;
 mod faults_failover;
 mod fuzz_props;

@@ -3,19 +3,19 @@
 
 use bytes::Bytes;
 use http::header::{self, HeaderValue};
+use http::HeaderMap;
 use http::{Request, StatusCode};
 use tokio::time::Instant;
 
 use super::errors::refused;
 use super::queue::{Pending, Queue};
 use super::slot::SlotHold;
-use super::Shared;
+use super::{Forwarded, Shared};
 use crate::http::{full, strip_hop_by_hop};
 use crate::lock::{Lease, Settled};
 use crate::merge::MergeError;
 use crate::proxy::answer::Answer;
 use crate::proxy::error::WriteError;
-use crate::proxy::request::Action;
 use crate::session::is_stale;
 use crate::upstream::FENCING_TOKEN;
 
@@ -23,20 +23,25 @@ use crate::upstream::FENCING_TOKEN;
 /// under the resource's commit slot, after the stale check against turnlock's own turn mark.
 /// The mark is raised only by a write the store accepted; writes of other turns to the same
 /// resource, on any proxy, wait for the slot, so they reach the store one at a time.
-pub(super) async fn serialize_batch(s: &Shared, queue: &Queue, lease: &Lease, batch: &[Pending]) -> Vec<Answer> {
+pub(super) async fn serialize_batch(
+    s: &Shared,
+    queue: &Queue<Forwarded>,
+    lease: &Lease,
+    batch: &[Pending<Forwarded>],
+) -> Vec<Answer> {
     let mut slot = SlotHold::new(queue.scope.clone());
     let mut answers = Vec::with_capacity(batch.len());
     for p in batch {
         // Taken anew for each write: the turn mark is read with it.
         slot.since = None;
-        let (answer, settled) = serialize_one(s, lease, p, &mut slot).await;
+        let (answer, settled) = serialize_one(s, lease, queue, p, &mut slot).await;
         match settled {
             Some(settled) => slot.release(s, lease, settled).await,
             // Unknown outcome: the slot expires by itself, after the write can have landed,
             // and the write's turn counts as accepted (it may be stored).
             None => {
                 slot.since = None;
-                if let Err(error) = s.locks.raise_turn_mark(&queue.scope, p.write.turn).await {
+                if let Err(error) = s.locks.raise_turn_mark(&queue.scope, queue.turn).await {
                     tracing::warn!(%error, "turn mark not raised after an unknown outcome");
                 }
             }
@@ -50,27 +55,25 @@ pub(super) async fn serialize_batch(s: &Shared, queue: &Queue, lease: &Lease, ba
 pub(super) async fn serialize_one(
     s: &Shared,
     lease: &Lease,
-    p: &Pending,
+    queue: &Queue<Forwarded>,
+    p: &Pending<Forwarded>,
     slot: &mut SlotHold,
 ) -> (Answer, Option<Settled>) {
-    let Action::Serialize {
+    let (turn, turn_given, resource) = (queue.turn, queue.turn_given, queue.path.as_str());
+    let Forwarded {
         method,
         path_and_query,
         headers,
         body,
-        resource,
         once,
-    } = &p.write.action
-    else {
-        let answer = Answer::from(WriteError::Internal("mixed batch"));
-        return (answer, Some(Settled::Unchanged));
-    };
+    } = &p.write;
     if let Err(answer) = slot.hold(s, lease).await {
         return (answer, Some(Settled::Unchanged));
     }
-    if p.write.turn_given && is_stale(p.write.turn, slot.turn_mark) {
+    // A write without a turn (on a route whose turn is optional) is not stale-checked.
+    if turn_given && is_stale(turn, slot.turn_mark) {
         let stale = MergeError::StaleTurn {
-            turn: p.write.turn,
+            turn,
             current: slot.turn_mark,
         };
         return (refused(s, stale), Some(Settled::Unchanged));
@@ -132,7 +135,7 @@ pub(super) async fn serialize_one(
     match result {
         Ok((status, res_headers, body)) => {
             let settled = if status.is_success() {
-                Settled::Accepted(p.write.turn)
+                Settled::Accepted(turn)
             } else {
                 Settled::Unchanged
             };
@@ -156,15 +159,14 @@ pub(super) async fn serialize_one(
 /// passed through; on `2xx` or `404` the document's turn mark goes with it.
 pub(super) async fn delete_batch(
     s: &Shared,
-    queue: &Queue,
+    queue: &Queue<HeaderMap>,
     lease: &Lease,
-    batch: &[Pending],
-    path: &str,
+    batch: &[Pending<HeaderMap>],
 ) -> Vec<Answer> {
     let mut slot = SlotHold::new(queue.scope.clone());
     let mut answers = Vec::with_capacity(batch.len());
     for p in batch {
-        let (answer, settled) = delete_one(s, lease, path, p, &mut slot).await;
+        let (answer, settled) = delete_one(s, lease, &queue.path, p, &mut slot).await;
         match settled {
             Some(settled) => slot.release(s, lease, settled).await,
             // Unknown outcome: the slot expires by itself, after the delete can have landed.
@@ -180,7 +182,7 @@ pub(super) async fn delete_one(
     s: &Shared,
     lease: &Lease,
     path: &str,
-    p: &Pending,
+    p: &Pending<HeaderMap>,
     slot: &mut SlotHold,
 ) -> (Answer, Option<Settled>) {
     if let Err(answer) = slot.hold(s, lease).await {
@@ -196,10 +198,7 @@ pub(super) async fn delete_one(
             return (answer, Some(Settled::Unchanged));
         }
     };
-    let mut headers = match &p.write.action {
-        Action::Delete { headers, .. } => headers.clone(),
-        _ => http::HeaderMap::new(),
-    };
+    let mut headers = p.write.clone();
     strip_hop_by_hop(&mut headers);
     headers.remove(header::HOST);
     headers.remove(header::CONTENT_LENGTH);

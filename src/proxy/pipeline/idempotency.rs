@@ -11,7 +11,6 @@ use http::StatusCode;
 use super::{Pending, Pipeline, Shared, MAX_ATTEMPTS};
 use crate::proxy::answer::{Answer, Record};
 use crate::proxy::error::WriteError;
-use crate::proxy::request::Action;
 use crate::redis_conn::Entry;
 
 impl Pipeline {
@@ -30,38 +29,29 @@ impl Pipeline {
     pub(super) async fn claim(&self, key: &str, fingerprint: &str) -> Claim {
         let s = &self.shared;
         let claim_ttl = self.claim_ttl();
-        for _ in 0..2 {
-            match s.records.get(key).await {
-                Err(e) => return Claim::Answered(Answer::from(WriteError::LockUnavailable(e.to_string()))),
-                Ok(Some(bytes)) => {
-                    let Some(record) = Record::parse(&bytes) else {
-                        return Claim::Answered(Answer::from(WriteError::RecordUnreadable));
-                    };
-                    if record.fingerprint != fingerprint {
-                        return Claim::Answered(Answer::from(WriteError::KeyReused));
-                    }
-                    return Claim::Answered(match record.done {
-                        Some(stored) => {
-                            s.metrics.idempotent_replay();
-                            stored.answer().with_header(
-                                http::HeaderName::from_static("idempotent-replayed"),
-                                HeaderValue::from_static("true"),
-                            )
-                        }
-                        None => Answer::from(WriteError::InProgress),
-                    });
-                }
-                Ok(None) => {
-                    let claim = Record::pending(fingerprint);
-                    match s.records.put_new(key, claim.clone(), claim_ttl).await {
-                        Ok(true) => return Claim::Held(claim),
-                        Ok(false) => continue,
-                        Err(e) => return Claim::Answered(Answer::from(WriteError::LockUnavailable(e.to_string()))),
-                    }
-                }
-            }
+        // One round trip: the claim is stored, or the key's record comes back.
+        let claim = Record::pending(fingerprint);
+        let bytes = match s.records.put_new_or_get(key, claim.clone(), claim_ttl).await {
+            Err(e) => return Claim::Answered(Answer::from(WriteError::LockUnavailable(e.to_string()))),
+            Ok(None) => return Claim::Held(claim),
+            Ok(Some(bytes)) => bytes,
+        };
+        let Some(record) = Record::parse(&bytes) else {
+            return Claim::Answered(Answer::from(WriteError::RecordUnreadable));
+        };
+        if record.fingerprint != fingerprint {
+            return Claim::Answered(Answer::from(WriteError::KeyReused));
         }
-        Claim::Answered(Answer::from(WriteError::InProgress))
+        Claim::Answered(match record.done {
+            Some(stored) => {
+                s.metrics.idempotent_replay();
+                stored.answer().with_header(
+                    http::HeaderName::from_static("idempotent-replayed"),
+                    HeaderValue::from_static("true"),
+                )
+            }
+            None => Answer::from(WriteError::InProgress),
+        })
     }
 }
 
@@ -76,16 +66,17 @@ pub(super) enum Claim {
 
 /// The idempotency record of each write of a batch that holds a claim, to store with the
 /// lock's release: its answer when final, else nothing (a retry may apply it).
-pub(super) fn results<'a>(
+pub(super) fn results<'a, W: 'a>(
     s: &'a Shared,
-    settled: impl Iterator<Item = (&'a Pending, &'a Answer)> + 'a,
+    settled: impl Iterator<Item = (&'a Pending<W>, &'a Answer)> + 'a,
+    unknown_is_final: bool,
 ) -> impl Iterator<Item = Entry> + 'a {
-    settled.filter_map(|(p, a)| {
-        let idem = p.write.idempotency.as_ref()?;
+    settled.filter_map(move |(p, a)| {
+        let idem = p.idempotency.as_ref()?;
         let (key, claim) = p.claim.clone()?;
         // A serialized write whose outcome is unknown cannot be made idempotent by turnlock
         // (the store's own write is forwarded as is): its 504 is the answer a retry gets.
-        let unknown = matches!(p.write.action, Action::Serialize { .. }) && a.status == StatusCode::GATEWAY_TIMEOUT;
+        let unknown = unknown_is_final && a.status == StatusCode::GATEWAY_TIMEOUT;
         let value = if a.is_final() || unknown {
             Record::done(&idem.fingerprint, a)?
         } else {

@@ -10,31 +10,29 @@ use serde_json::json;
 use tokio::time::Instant;
 
 use super::errors::refused;
-use super::queue::{Pending, Queue};
+use super::queue::{lock, Pending, Queue};
 use super::slot::SlotHold;
 use super::store_fields;
-use super::{Shared, MAX_ATTEMPTS};
+use super::{MergeWrite, Shared, MAX_ATTEMPTS};
 use crate::http::etag_for;
 use crate::lock::{Lease, Settled};
-use crate::merge::{self, Document, MergeError, Op, RandomIds, Snapshot};
+use crate::merge::{self, BatchDoc, DigestCache, Document, Finished, MergeError, Op, RandomIds, RawBatch, Snapshot};
 use crate::proxy::answer::Answer;
 use crate::proxy::error::WriteError;
-use crate::proxy::request::Action;
 use crate::redis_conn::Entry;
+use crate::routes::{Dialect, VersionAt};
 use crate::session::{Scope, SessionId};
-use crate::upstream::StoreParts;
-use crate::upstream::UpstreamError;
+use crate::upstream::{Precondition, StoreParts, UpstreamError};
 
 pub(super) async fn merge_batch(
     s: &Shared,
-    queue: &Queue,
+    queue: &Queue<MergeWrite>,
     lease: &Lease,
-    batch: &[Pending],
-    path: &str,
+    batch: &[Pending<MergeWrite>],
     records: &mut Vec<Entry>,
 ) -> Vec<Answer> {
     let mut slot = SlotHold::new(queue.scope.clone());
-    let (answers, outcome_unknown) = merge_attempts(s, queue, lease, batch, path, records, &mut slot).await;
+    let (answers, outcome_unknown) = merge_attempts(s, queue, lease, batch, records, &mut slot).await;
     // When the outcome is unknown the slot is left to expire: the write may still land, and
     // no commit of this document is ordered after it until then.
     if !outcome_unknown {
@@ -43,18 +41,52 @@ pub(super) async fn merge_batch(
     answers
 }
 
-#[allow(clippy::too_many_arguments)]
+/// How a write-back is fenced against another writer's commit of the same document, on top
+/// of the document's commit slot in Redis (held from before the read until the store
+/// answered, for every merge commit: a store's `If-Match` may be weak or checked apart from
+/// the write, and never orders commits alone).
+#[derive(Debug)]
+enum Fence {
+    /// The store's entity tag as read: a commit in between makes the store answer 412.
+    IfMatch(HeaderValue),
+    /// No document was read: the write may only create it.
+    CreateOnly,
+    /// The commit slot alone: the store gives no entity tags, or keeps the version in the
+    /// document (`_rev`, written back in the body).
+    CommitSlot,
+}
+
+impl Fence {
+    /// The fence for a write-back of what was read, in the store's dialect (see
+    /// [`store_fields::precondition`]).
+    fn after_read(dialect: &Dialect, found: bool, etag: Option<HeaderValue>) -> Self {
+        match store_fields::precondition(dialect, found, etag) {
+            Precondition::IfMatch(tag) => Self::IfMatch(tag),
+            Precondition::Absent => Self::CreateOnly,
+            Precondition::None => Self::CommitSlot,
+        }
+    }
+
+    fn precondition(self) -> Precondition {
+        match self {
+            Self::IfMatch(tag) => Precondition::IfMatch(tag),
+            Self::CreateOnly => Precondition::Absent,
+            Self::CommitSlot => Precondition::None,
+        }
+    }
+}
+
 pub(super) async fn merge_attempts(
     s: &Shared,
-    queue: &Queue,
+    queue: &Queue<MergeWrite>,
     lease: &Lease,
-    batch: &[Pending],
-    path: &str,
+    batch: &[Pending<MergeWrite>],
     records: &mut Vec<Entry>,
     slot: &mut SlotHold,
 ) -> (Vec<Answer>, bool) {
     let started = Instant::now();
     let session = &queue.session;
+    let path = queue.path.as_str();
     let mut attempt = 0;
     loop {
         attempt += 1;
@@ -69,17 +101,58 @@ pub(super) async fn merge_attempts(
         }
         let store = store_parts(batch);
         let dialect = store.dialect;
-        let fetched = match s.upstream.get_document_with(path, store).await {
+        let fetched = match s.upstream.get_document_raw_with(path, store).await {
             Ok(f) => f,
             Err(e) => return (vec![Answer::from(WriteError::Upstream(e)); batch.len()], false),
         };
-        // The store's own fields are the store's: out of the merge, put back on the write.
-        let (mut current, managed) = store_fields::split(dialect, fetched.doc);
-        let tag = store_fields::version_tag(dialect, fetched.etag.as_ref(), &managed);
-        let mut bases = load_bases(s, &queue.scope, batch, current.as_ref()).await;
-        changed_behind_our_back(s, &queue.scope, batch, &mut current, &mut bases).await;
-        let current_version = current.as_ref().map(merge::version_of).unwrap_or(0);
-        let (doc, results) = apply_batch(session, current.as_ref(), tag.as_ref(), batch, &bases);
+        let created = fetched.body.is_none();
+        let fence = Fence::after_read(dialect, !created, fetched.etag.clone());
+        // A batch of appends to a stored document is merged on the store's raw JSON; any
+        // other batch (or a document the raw merge does not take) on parsed values. The raw
+        // merge keeps every field as stored, so a dialect with fields of its own (`_id`,
+        // `_rev`: set apart before the merge, the version put back in the body), a write
+        // naming the store's own entity tag, and writes without a turn (merged at the stored
+        // turn) take the parsed path. Reads and write-backs are signed either way.
+        let digests = s.digest_cache(path);
+        let raw_fits = queue.turn_given
+            && dialect.managed_fields.is_empty()
+            && matches!(dialect.version, VersionAt::EtagHeader)
+            && batch
+                .iter()
+                .all(|p| matches!(p.write.op, Op::Append { .. }) && p.write.store.if_match.is_none());
+        let raw = fetched
+            .body
+            .as_deref()
+            .filter(|_| raw_fits)
+            .and_then(|bytes| RawBatch::parse(session, bytes, &lock(&digests)));
+        let (merged, results, current_version) = match raw {
+            Some(mut doc) => {
+                let version = doc.version();
+                let results: Vec<_> = batch
+                    .iter()
+                    .map(|p| match &p.write.op {
+                        Op::Append { messages } => doc.append(queue.turn, messages, &mut RandomIds),
+                        _ => Err(MergeError::NotFound),
+                    })
+                    .collect();
+                (Merged::Raw(doc), results, version)
+            }
+            None => {
+                let current = match fetched.body.as_deref().map(crate::upstream::parse_document).transpose() {
+                    Ok(current) => current,
+                    Err(e) => return (vec![Answer::from(WriteError::Upstream(e)); batch.len()], false),
+                };
+                // The store's own fields are the store's: out of the merge, put back on the write.
+                let (mut current, managed) = store_fields::split(dialect, current);
+                let tag = store_fields::version_tag(dialect, fetched.etag.as_ref(), &managed);
+                let mut bases = load_bases(s, &queue.scope, batch, current.as_ref()).await;
+                changed_behind_our_back(s, &queue.scope, batch, &mut current, &mut bases).await;
+                let current_version = current.as_ref().map(merge::version_of).unwrap_or(0);
+                let turn = queue.turn_given.then_some(queue.turn);
+                let (doc, results) = apply_batch(session, turn, current, tag.as_ref(), batch, &bases);
+                (Merged::Values(doc, managed), results, current_version)
+            }
+        };
         let refusals = |results: Vec<Result<merge::Applied, MergeError>>, on_ok: &Answer| -> Vec<Answer> {
             results
                 .into_iter()
@@ -89,10 +162,10 @@ pub(super) async fn merge_attempts(
                 })
                 .collect()
         };
-        let Some(mut next) = doc.filter(|_| results.iter().any(Result::is_ok)) else {
+        if !results.iter().any(Result::is_ok) {
             let on_ok = Answer::from(WriteError::Internal("nothing to write"));
             return (refusals(results, &on_ok), false);
-        };
+        }
         // The slot must outlive the write-back: extended when the read took long.
         if slot.held() {
             if let Err(answer) = slot.hold(s, lease).await {
@@ -104,16 +177,8 @@ pub(super) async fn merge_attempts(
         }
         // One write-back: the whole batch is one new version, whatever it merged.
         let new_version = current_version + 1;
-        next.insert("version".into(), json!(new_version));
         // A document gets its life when turnlock first writes it (see `merge::LIFE`).
-        next.entry(merge::LIFE).or_insert_with(|| json!(lease.fence()));
-        store_fields::strip(dialect, &mut next);
-        let precondition = store_fields::precondition(dialect, current.is_some(), fetched.etag);
-        let body = match store_fields::for_store(dialect, &next, &managed) {
-            Some(doc) => serde_json::to_vec(&doc),
-            None => serde_json::to_vec(&next),
-        };
-        let body = Bytes::from(body.unwrap_or_default());
+        let (written, body) = merged.finish(dialect, new_version, lease.fence());
         if body.len() > s.settings.max_document_bytes {
             return (
                 refusals(
@@ -128,23 +193,23 @@ pub(super) async fn merge_attempts(
         }
         match s
             .upstream
-            .put_document_with(path, body, &precondition, lease.fence(), store)
+            .put_document_with(path, body, &fence.precondition(), lease.fence(), store)
             .await
         {
             Ok(etag) => {
-                records.push(Entry {
-                    key: queue.scope.history(new_version),
-                    value: Bytes::from(serde_json::to_vec(&Snapshot::of(&next)).unwrap_or_default()),
-                    ttl: s.settings.history_ttl,
-                    expect: None,
-                });
-                let status = if current.is_none() {
-                    StatusCode::CREATED
-                } else {
-                    StatusCode::OK
-                };
+                // Only a merged PUT reads a snapshot back: without such a route none is kept.
+                if s.settings.snapshots {
+                    let snapshot = written.snapshot(new_version, &mut lock(&digests));
+                    records.push(Entry {
+                        key: queue.scope.history(new_version),
+                        value: Bytes::from(serde_json::to_vec(&snapshot).unwrap_or_default()),
+                        ttl: s.settings.history_ttl,
+                        expect: None,
+                    });
+                }
+                let status = if created { StatusCode::CREATED } else { StatusCode::OK };
                 let etag = etag.unwrap_or_else(|| etag_for(new_version));
-                let turn = merge::turn_of(&next);
+                let turn = written.turn();
                 let answers = results
                     .into_iter()
                     .map(|r| match r {
@@ -176,28 +241,68 @@ pub(super) async fn merge_attempts(
     }
 }
 
-/// What the write-back keeps of the batch's requests: the last merge write's (its headers,
-/// and its store's dialect).
-fn store_parts(batch: &[Pending]) -> &StoreParts {
-    static NONE: std::sync::OnceLock<StoreParts> = std::sync::OnceLock::new();
-    batch
-        .iter()
-        .rev()
-        .find_map(|p| match &p.write.action {
-            Action::Merge { store, .. } => Some(store),
-            _ => None,
-        })
-        .unwrap_or_else(|| NONE.get_or_init(StoreParts::default))
+/// A batch merged, to write back.
+enum Merged<'a> {
+    /// Merged on parsed values, with the store-managed fields set apart before the merge.
+    Values(Document, store_fields::Managed),
+    Raw(RawBatch<'a>),
 }
 
-/// The turn a write is merged at: its own, or — a write that named none, on a route whose
-/// turn is optional — the stored turn, so it is never stale and moves no turn.
-fn turn_at(p: &Pending, on: Option<&Document>) -> u64 {
-    if p.write.turn_given {
-        p.write.turn
-    } else {
-        on.map(merge::turn_of).unwrap_or(0)
+/// A batch merged and written out at its new version.
+enum Written<'a> {
+    Values(Document),
+    Raw(Finished<'a>),
+}
+
+impl<'a> Merged<'a> {
+    /// Sets the version (and the life, when the document has none) and writes the document
+    /// out in the store's dialect (its own fields kept out, its version put back).
+    fn finish(self, dialect: &Dialect, version: u64, life: u64) -> (Written<'a>, Bytes) {
+        match self {
+            Merged::Values(mut doc, managed) => {
+                doc.insert("version".into(), json!(version));
+                doc.entry(merge::LIFE).or_insert_with(|| json!(life));
+                store_fields::strip(dialect, &mut doc);
+                let body = match store_fields::for_store(dialect, &doc, &managed) {
+                    Some(out) => serde_json::to_vec(&out),
+                    None => serde_json::to_vec(&doc),
+                };
+                let body = Bytes::from(body.unwrap_or_default());
+                (Written::Values(doc), body)
+            }
+            Merged::Raw(doc) => {
+                let mut finished = doc.finish(version, life);
+                let body = Bytes::from(std::mem::take(&mut finished.body));
+                (Written::Raw(finished), body)
+            }
+        }
     }
+}
+
+impl Written<'_> {
+    fn turn(&self) -> u64 {
+        match self {
+            Written::Values(doc) => merge::turn_of(doc),
+            Written::Raw(doc) => doc.turn(),
+        }
+    }
+
+    fn snapshot(&self, version: u64, cache: &mut DigestCache) -> Snapshot {
+        match self {
+            Written::Values(doc) => Snapshot::of(doc),
+            Written::Raw(doc) => doc.snapshot(version, cache),
+        }
+    }
+}
+
+/// What the write-back keeps of the batch's requests: the last write's (its headers, and its
+/// store's dialect).
+fn store_parts(batch: &[Pending<MergeWrite>]) -> &StoreParts {
+    static NONE: std::sync::OnceLock<StoreParts> = std::sync::OnceLock::new();
+    batch
+        .last()
+        .map(|p| &p.write.store)
+        .unwrap_or_else(|| NONE.get_or_init(StoreParts::default))
 }
 
 /// A write that names the store's own entity tag (`If-Match` in the store's format): refused
@@ -208,29 +313,22 @@ fn turn_at(p: &Pending, on: Option<&Document>) -> u64 {
 /// The store's own fields a copy carries (`_id`, `_rev`) are taken out before the merge: they
 /// are the store's, never the application's, and never a conflict.
 fn with_store_precondition<'a>(
-    p: &'a Pending,
-    op: &'a Op,
+    write: &'a MergeWrite,
     on: Option<&Document>,
     etag: Option<&HeaderValue>,
     first: bool,
 ) -> Result<std::borrow::Cow<'a, Op>, MergeError> {
-    let op = store_precondition(p, op, on, etag, first)?;
-    Ok(match &p.write.action {
-        Action::Merge { store, .. } => store_fields::without_managed(store.dialect, op),
-        _ => op,
-    })
+    let op = store_precondition(write, on, etag, first)?;
+    Ok(store_fields::without_managed(write.store.dialect, op))
 }
 
 fn store_precondition<'a>(
-    p: &'a Pending,
-    op: &'a Op,
+    write: &'a MergeWrite,
     on: Option<&Document>,
     etag: Option<&HeaderValue>,
     first: bool,
 ) -> Result<std::borrow::Cow<'a, Op>, MergeError> {
-    let Action::Merge { store, .. } = &p.write.action else {
-        return Ok(std::borrow::Cow::Borrowed(op));
-    };
+    let (op, store) = (&write.op, &write.store);
     if store.if_none_match && matches!(op, Op::Put { .. } | Op::Replace { .. }) {
         if let Some(cur) = on {
             return Err(MergeError::VersionMismatch {
@@ -279,102 +377,37 @@ fn store_precondition<'a>(
     })
 }
 
-/// Applies a batch's writes one after another to the current document. Consecutive appends
-/// are merged as one (the document is copied once for them, not once per write), each write
-/// still getting its own result.
-/// `etag` is the one the store gave the current document (for writes naming the store's own).
+/// Applies a batch's writes one after another, in place, to the document read (`None` when
+/// absent): one document per batch, never copied for an append, each write getting its own
+/// result. `turn` is the batch's turn; `None` for writes that named none (on a route whose
+/// turn is optional): each is merged at the stored turn, so it is never stale and moves no
+/// turn. `etag` is the one the store gave the current document (for writes naming the
+/// store's own).
 pub(super) fn apply_batch(
     session: &SessionId,
-    current: Option<&Document>,
+    turn: Option<u64>,
+    current: Option<Document>,
     etag: Option<&HeaderValue>,
-    batch: &[Pending],
+    batch: &[Pending<MergeWrite>],
     bases: &HashMap<u64, Snapshot>,
-) -> (Option<Document>, Vec<Result<merge::Applied, MergeError>>) {
-    // `None` until a write applies: the current document is not copied before then.
-    let mut doc: Option<Document> = None;
-    let mut results = Vec::with_capacity(batch.len());
-    let mut i = 0;
-    while i < batch.len() {
-        let turn = turn_at(&batch[i], doc.as_ref().or(current));
-        let run = batch[i..]
-            .iter()
-            .take_while(|p| {
-                turn_at(p, doc.as_ref().or(current)) == turn
-                    && matches!(
-                        &p.write.action,
-                        Action::Merge {
-                            op: Op::Append { .. },
-                            ..
-                        }
-                    )
-            })
-            .count();
-        if run > 1 {
-            let mut counts = Vec::with_capacity(run);
-            let mut messages = Vec::new();
-            for p in &batch[i..i + run] {
-                if let Action::Merge {
-                    op: Op::Append { messages: m },
-                    ..
-                } = &p.write.action
-                {
-                    counts.push(m.len());
-                    messages.extend(m.iter().cloned());
-                }
-            }
-            let on = doc.as_ref().or(current);
-            match merge::apply(session, on, turn, &Op::Append { messages }, None, &mut RandomIds) {
-                Ok((next, applied)) => {
-                    doc = Some(next);
-                    let mut ids = applied.message_ids.into_iter();
-                    for n in counts {
-                        results.push(Ok(merge::Applied {
-                            message_ids: ids.by_ref().take(n).collect(),
-                        }));
-                    }
-                }
-                Err(e) => results.extend((0..run).map(|_| Err(e.clone()))),
-            }
-            i += run;
-            continue;
-        }
-        let p = &batch[i];
-        let first = i == 0;
-        i += 1;
-        let Action::Merge { op, .. } = &p.write.action else {
-            results.push(Err(MergeError::NotFound));
-            continue;
-        };
-        let op = match with_store_precondition(p, op, doc.as_ref().or(current), etag, first) {
-            Ok(op) => op,
-            Err(e) => {
-                results.push(Err(e));
-                continue;
-            }
-        };
-        let op = op.as_ref();
-        let base = match op {
-            Op::Put {
-                base_version: Some(v), ..
-            } => bases.get(v),
-            _ => None,
-        };
-        match merge::apply(
-            session,
-            doc.as_ref().or(current),
-            turn_at(p, doc.as_ref().or(current)),
-            op,
-            base,
-            &mut RandomIds,
-        ) {
-            Ok((next, applied)) => {
-                doc = Some(next);
-                results.push(Ok(applied));
-            }
-            Err(e) => results.push(Err(e)),
-        }
-    }
-    (doc, results)
+) -> (Document, Vec<Result<merge::Applied, MergeError>>) {
+    let mut doc = BatchDoc::new(session, current, &mut RandomIds);
+    let results = batch
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let turn = turn.unwrap_or_else(|| doc.current().map(merge::turn_of).unwrap_or(0));
+            let op = with_store_precondition(&p.write, doc.current(), etag, i == 0)?;
+            let base = match op.as_ref() {
+                Op::Put {
+                    base_version: Some(v), ..
+                } => bases.get(v),
+                _ => None,
+            };
+            doc.apply(turn, op.as_ref(), base, &mut RandomIds)
+        })
+        .collect();
+    (doc.into_document(), results)
 }
 
 /// A stored document that differs from what turnlock committed as its version (a writer
@@ -385,7 +418,7 @@ pub(super) fn apply_batch(
 async fn changed_behind_our_back(
     s: &Shared,
     scope: &Scope,
-    batch: &[Pending],
+    batch: &[Pending<MergeWrite>],
     current: &mut Option<Document>,
     bases: &mut HashMap<u64, Snapshot>,
 ) {
@@ -393,11 +426,8 @@ async fn changed_behind_our_back(
     let v = merge::version_of(doc);
     let based_on_current = batch.iter().any(|p| {
         matches!(
-            &p.write.action,
-            Action::Merge {
-                op: Op::Put { base_version: Some(b), .. },
-                ..
-            } if *b == v && v > 0
+            &p.write.op,
+            Op::Put { base_version: Some(b), .. } if *b == v && v > 0
         )
     });
     if !based_on_current {
@@ -424,18 +454,15 @@ async fn changed_behind_our_back(
 pub(super) async fn load_bases(
     s: &Shared,
     scope: &Scope,
-    batch: &[Pending],
+    batch: &[Pending<MergeWrite>],
     current: Option<&Document>,
 ) -> HashMap<u64, Snapshot> {
     let current_version = current.map(merge::version_of).unwrap_or(0);
     let mut bases = HashMap::new();
     for p in batch {
-        if let Action::Merge {
-            op: Op::Put {
-                base_version: Some(v), ..
-            },
-            ..
-        } = &p.write.action
+        if let Op::Put {
+            base_version: Some(v), ..
+        } = &p.write.op
         {
             let v = *v;
             if v == 0 || v > current_version || bases.contains_key(&v) {

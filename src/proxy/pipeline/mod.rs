@@ -18,6 +18,7 @@
 //! never rests on the store's `If-Match` alone (a store's ETag may be weak, its check not
 //! atomic with the write), which is checked on top.
 
+use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -33,6 +34,7 @@ use super::answer::Answer;
 use super::error::WriteError;
 use super::request::{Action, WriteRequest};
 use crate::lock::{Lease, LockError, Locks};
+use crate::merge::Op;
 use crate::metrics::Metrics;
 use crate::records::{Entry, Records};
 use crate::session::{Keys, SessionId};
@@ -61,6 +63,10 @@ const MAX_ATTEMPTS: u32 = 4;
 /// that commit is in flight, and needs a store round trip to land.
 const REQUEUE_PAUSE: Duration = Duration::from_millis(2);
 
+/// Documents whose message digests a proxy keeps (the hot ones: all are forgotten when more
+/// are written, and relearned at their next commit).
+const DIGEST_CACHES: usize = 256;
+
 #[derive(Clone, Debug)]
 pub struct Settings {
     /// How long a leader competes for the lock in one round (and a holder waits for another
@@ -76,6 +82,9 @@ pub struct Settings {
     pub upstream_timeout: Duration,
     /// The largest document a write may produce.
     pub max_document_bytes: usize,
+    /// Whether each committed version's snapshot is kept (for merged PUTs based on it): only
+    /// when a merged-PUT route exists.
+    pub snapshots: bool,
 }
 
 #[derive(Clone)]
@@ -90,16 +99,34 @@ struct Shared {
     keys: Keys,
     metrics: Metrics,
     settings: Settings,
-    queues: DashMap<String, Arc<Queue>>,
+    merges: DashMap<String, Arc<Queue<MergeWrite>>>,
+    deletes: DashMap<String, Arc<Queue<http::HeaderMap>>>,
+    serializes: DashMap<String, Arc<Queue<Forwarded>>>,
     /// One gate per session with a leader in this process: leaders of different turns of one
     /// session (different lock keys) take turns here instead of racing to the store and
     /// retrying on its 412s.
     gates: DashMap<SessionId, Arc<tokio::sync::Mutex<()>>>,
     tracker: TaskTracker,
     next_id: AtomicU64,
+    /// What is known of the messages of the documents this proxy committed last (see
+    /// [`crate::merge::DigestCache`]), by document; at most [`DIGEST_CACHES`] documents.
+    digests: DashMap<String, Arc<Mutex<crate::merge::DigestCache>>>,
 }
 
-// === impl Pipeline ===
+// === impl Shared ===
+
+impl Shared {
+    /// The message digests known of the document at `path`.
+    fn digest_cache(&self, path: &str) -> Arc<Mutex<crate::merge::DigestCache>> {
+        if let Some(cache) = self.digests.get(path) {
+            return cache.clone();
+        }
+        if self.digests.len() >= DIGEST_CACHES {
+            self.digests.clear();
+        }
+        self.digests.entry(path.to_owned()).or_default().clone()
+    }
+}
 
 // === impl Pipeline ===
 
@@ -120,10 +147,13 @@ impl Pipeline {
                 keys,
                 metrics,
                 settings,
-                queues: DashMap::new(),
+                merges: DashMap::new(),
+                deletes: DashMap::new(),
+                serializes: DashMap::new(),
                 gates: DashMap::new(),
                 tracker: TaskTracker::new(),
                 next_id: AtomicU64::new(1),
+                digests: DashMap::new(),
             }),
         }
     }
@@ -176,38 +206,86 @@ impl Pipeline {
         wait: Duration,
         claim: Option<(String, Bytes)>,
     ) -> Answer {
-        let s = &self.shared;
-        let lock_key = s.keys.lock(&write.session, write.turn);
-        let (queue_key, protected) = match &write.action {
-            // What a write protects is named by its path on the store, not by the store's
-            // address: proxies may reach one store under different names (a relay, a load
-            // balancer, an IP or a host name), and must still share its commit order.
-            Action::Merge { document, .. } => (format!("{lock_key} merge {document}"), document.clone()),
-            Action::Delete { document, .. } => (format!("{lock_key} delete {document}"), document.clone()),
-            // The resource is named by the route's path, whatever spelling the client sent.
-            Action::Serialize { resource, .. } => (format!("{lock_key} serialize {resource}"), resource.clone()),
+        let WriteRequest {
+            session,
+            turn,
+            turn_given,
+            action,
+            idempotency,
+            ..
+        } = write;
+        let head = Head {
+            session,
+            turn,
+            turn_given,
+            idempotency,
+            claim,
+            deadline,
+            wait,
         };
+        // What a write protects is named by its path on the store, not by the store's
+        // address: proxies may reach one store under different names (a relay, a load
+        // balancer, an IP or a host name), and must still share its commit order.
+        match action {
+            Action::Merge { op, document, store } => {
+                self.enqueue_as::<MergeCommit>(head, document, MergeWrite { op, store })
+                    .await
+            }
+            Action::Delete { document, headers } => self.enqueue_as::<DeleteCommit>(head, document, headers).await,
+            // The resource is named by the route's path, whatever spelling the client sent.
+            Action::Serialize {
+                resource,
+                method,
+                path_and_query,
+                headers,
+                body,
+                once,
+            } => {
+                let write = Forwarded {
+                    method,
+                    path_and_query,
+                    headers,
+                    body,
+                    once,
+                };
+                self.enqueue_as::<SerializeCommit>(head, resource, write).await
+            }
+        }
+    }
+
+    /// Queues a write of kind `C` to `path` behind the writes waiting for the same lock key,
+    /// starting the queue's leader when there is none, and waits for its answer.
+    async fn enqueue_as<C: Committer>(&self, head: Head, path: String, write: C::Write) -> Answer {
+        let s = &self.shared;
+        let lock_key = s.keys.lock(&head.session, head.turn);
+        // Writes without a turn (on a route whose turn is optional) share the lock of turn 0
+        // but not its queue: they are not stale-checked.
+        let given = if head.turn_given { "" } else { " untimed" };
+        let queue_key = format!("{lock_key} {}{given} {path}", C::KIND);
         let id = s.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, mut rx) = oneshot::channel();
-        let queue = s
-            .queues
+        let queue = C::queues(s)
             .entry(queue_key.clone())
             .or_insert_with(|| {
                 Arc::new(Queue {
-                    scope: s.keys.scope(&write.session, &protected),
-                    session: write.session.clone(),
-                    turn: write.turn,
+                    scope: s.keys.scope(&head.session, &path),
+                    session: head.session.clone(),
+                    turn: head.turn,
+                    turn_given: head.turn_given,
                     lock_key,
+                    path,
                     state: Mutex::new(QueueState::default()),
                 })
             })
             .clone();
+        let (deadline, wait) = (head.deadline, head.wait);
         let lead = {
             let mut st = lock(&queue.state);
             st.pending.push_back(Pending {
                 id,
                 write,
-                claim,
+                idempotency: head.idempotency,
+                claim: head.claim,
                 deadline,
                 wait,
                 reply: tx,
@@ -220,7 +298,7 @@ impl Pipeline {
             // The leader runs on its own task: a client that disconnects does not cancel a
             // write that others in its batch are waiting for.
             s.tracker
-                .spawn(async move { lead_queue(shared, queue, queue_key).await });
+                .spawn(async move { lead_queue::<C>(shared, queue, queue_key).await });
         }
         match tokio::time::timeout_at(deadline, &mut rx).await {
             Ok(Ok(answer)) => answer,
@@ -238,8 +316,122 @@ impl Pipeline {
     }
 }
 
-async fn lead_queue(s: Arc<Shared>, queue: Arc<Queue>, queue_key: String) {
+/// What every queued write carries besides its kind's own payload.
+struct Head {
+    session: SessionId,
+    turn: u64,
+    turn_given: bool,
+    idempotency: Option<crate::proxy::request::Idempotency>,
+    claim: Option<(String, Bytes)>,
+    deadline: Instant,
+    wait: Duration,
+}
+
+/// One kind of write and how a batch of it is committed under the grant: a queue holds the
+/// writes of one committer, so a batch is one kind of write by type.
+trait Committer: Sized + Send + Sync + 'static {
+    /// A write's own payload, besides what every write carries (see [`Pending`]).
+    type Write: Send + Sync + 'static;
+    /// The kind's name in queue keys.
+    const KIND: &'static str;
+    /// Whether a write's unknown outcome (504) is its final answer for its idempotency
+    /// record: a request forwarded as is cannot be made idempotent by turnlock.
+    const UNKNOWN_IS_FINAL: bool = false;
+    /// The queues of this kind of write, by queue key.
+    fn queues(s: &Shared) -> &DashMap<String, Arc<Queue<Self::Write>>>;
+    /// Commits a batch under the grant: one answer per write, in order; the records to store
+    /// before the lock is released are added to `records`.
+    fn commit<'a>(
+        s: &'a Shared,
+        queue: &'a Queue<Self::Write>,
+        lease: &'a Lease,
+        batch: &'a [Pending<Self::Write>],
+        records: &'a mut Vec<Entry>,
+    ) -> impl Future<Output = Vec<Answer>> + Send + 'a;
+}
+
+/// Read-merge-write of a session document.
+struct MergeCommit;
+/// Deletes of a document, forwarded with the client's headers (credentials, preconditions).
+struct DeleteCommit;
+/// Writes forwarded unchanged under the lock (serialize mode).
+struct SerializeCommit;
+
+/// A serialized write, as the client sent it.
+pub(super) struct Forwarded {
+    pub(super) method: http::Method,
+    pub(super) path_and_query: String,
+    pub(super) headers: http::HeaderMap,
+    pub(super) body: Bytes,
+    /// Set on a route whose objects are created once (see `once`).
+    pub(super) once: Option<crate::proxy::request::Once>,
+}
+
+/// A merge write: its change, and what the write-back keeps of its request in the store's
+/// dialect (headers, credentials, the store's own `If-Match`).
+pub(super) struct MergeWrite {
+    pub(super) op: Op,
+    pub(super) store: crate::upstream::StoreParts,
+}
+
+impl Committer for MergeCommit {
+    type Write = MergeWrite;
+    const KIND: &'static str = "merge";
+    fn queues(s: &Shared) -> &DashMap<String, Arc<Queue<MergeWrite>>> {
+        &s.merges
+    }
+    fn commit<'a>(
+        s: &'a Shared,
+        queue: &'a Queue<MergeWrite>,
+        lease: &'a Lease,
+        batch: &'a [Pending<MergeWrite>],
+        records: &'a mut Vec<Entry>,
+    ) -> impl Future<Output = Vec<Answer>> + Send + 'a {
+        merge_batch(s, queue, lease, batch, records)
+    }
+}
+
+impl Committer for DeleteCommit {
+    type Write = http::HeaderMap;
+    const KIND: &'static str = "delete";
+    fn queues(s: &Shared) -> &DashMap<String, Arc<Queue<http::HeaderMap>>> {
+        &s.deletes
+    }
+    fn commit<'a>(
+        s: &'a Shared,
+        queue: &'a Queue<http::HeaderMap>,
+        lease: &'a Lease,
+        batch: &'a [Pending<http::HeaderMap>],
+        _records: &'a mut Vec<Entry>,
+    ) -> impl Future<Output = Vec<Answer>> + Send + 'a {
+        delete_batch(s, queue, lease, batch)
+    }
+}
+
+impl Committer for SerializeCommit {
+    type Write = Forwarded;
+    const KIND: &'static str = "serialize";
+    const UNKNOWN_IS_FINAL: bool = true;
+    fn queues(s: &Shared) -> &DashMap<String, Arc<Queue<Forwarded>>> {
+        &s.serializes
+    }
+    fn commit<'a>(
+        s: &'a Shared,
+        queue: &'a Queue<Forwarded>,
+        lease: &'a Lease,
+        batch: &'a [Pending<Forwarded>],
+        _records: &'a mut Vec<Entry>,
+    ) -> impl Future<Output = Vec<Answer>> + Send + 'a {
+        serialize_batch(s, queue, lease, batch)
+    }
+}
+
+async fn lead_queue<C: Committer>(s: Arc<Shared>, queue: Arc<Queue<C::Write>>, queue_key: String) {
     let fence_key = s.keys.fence_token(&queue.session);
+    // This leader's place in the lock's order across proxies, kept for as long as it leads.
+    let waiter = format!("{:016x}", rand::random::<u64>());
+    // Whether the last round ended with a place still taken in that order.
+    let mut placed = false;
     let mut dropped = Vec::new();
     while let Some(deadline) =
         queue.next_deadline(|waited| unanswered(&s.locks, s.settings.budget, waited), &mut dropped)
@@ -257,9 +449,17 @@ async fn lead_queue(s: Arc<Shared>, queue: Arc<Queue>, queue_key: String) {
         // One round: the writes past their deadline are answered between rounds, and the
         // session's other turns waiting at the gate get their turn.
         let round = deadline.min(Instant::now() + s.settings.budget);
-        match s.locks.acquire(&queue.lock_key, &fence_key, round, &s.metrics).await {
-            Err(LockError::Busy(_)) => continue,
+        match s
+            .locks
+            .acquire_as(&queue.lock_key, &fence_key, round, &s.metrics, &waiter)
+            .await
+        {
+            Err(LockError::Busy(_)) => {
+                placed = true;
+                continue;
+            }
             Err(LockError::Backend(e)) => {
+                placed = true;
                 if let Some(suppressed) = crate::telemetry::warn_allowed("lock backend unavailable") {
                     tracing::warn!(lock = %queue.lock_key, error = %e, suppressed, "lock backend unavailable");
                 }
@@ -268,6 +468,8 @@ async fn lead_queue(s: Arc<Shared>, queue: Arc<Queue>, queue_key: String) {
                 ))));
             }
             Ok(lease) => {
+                // A grant takes the waiter out of the order.
+                placed = false;
                 let batch = queue.take(s.settings.max_batch);
                 if batch.is_empty() {
                     lease.release(&s.metrics).await;
@@ -282,7 +484,7 @@ async fn lead_queue(s: Arc<Shared>, queue: Arc<Queue>, queue_key: String) {
                     batch = batch.len(),
                     outcome = tracing::field::Empty,
                 );
-                let (answers, records, again) = commit(&s, &queue, &lease, &batch).instrument(span.clone()).await;
+                let (answers, records, again) = commit::<C>(&s, &queue, &lease, &batch).instrument(span.clone()).await;
                 let ok = answers.iter().filter(|a| a.status.is_success()).count();
                 span.record(
                     "outcome",
@@ -320,7 +522,11 @@ async fn lead_queue(s: Arc<Shared>, queue: Arc<Queue>, queue_key: String) {
             }
         }
     }
-    s.queues.remove_if(&queue_key, |_, q| q.is_idle());
+    // Nothing waits any more: the place in the lock's order goes (else it lapses by itself).
+    if placed {
+        s.locks.leave(&queue.lock_key, &waiter).await;
+    }
+    C::queues(&s).remove_if(&queue_key, |_, q| q.is_idle());
     // The gate goes when no leader holds or waits for it (only this map's reference is left).
     s.gates.remove_if(&queue.session, |_, g| Arc::strong_count(g) == 1);
 }
@@ -329,13 +535,14 @@ async fn lead_queue(s: Arc<Shared>, queue: Arc<Queue>, queue_key: String) {
 /// one answer per write, in order, the records to store before the lock is released (the
 /// version snapshot of what was written, the idempotency results), and which writes are to be
 /// queued again instead of answered (see [`conflicted`]).
-async fn commit(s: &Shared, queue: &Queue, lease: &Lease, batch: &[Pending]) -> (Vec<Answer>, Vec<Entry>, Vec<bool>) {
+async fn commit<C: Committer>(
+    s: &Shared,
+    queue: &Queue<C::Write>,
+    lease: &Lease,
+    batch: &[Pending<C::Write>],
+) -> (Vec<Answer>, Vec<Entry>, Vec<bool>) {
     let mut records = Vec::new();
-    let answers = match &batch[0].write.action {
-        Action::Merge { document, .. } => merge_batch(s, queue, lease, batch, document, &mut records).await,
-        Action::Serialize { .. } => serialize_batch(s, queue, lease, batch).await,
-        Action::Delete { document, .. } => delete_batch(s, queue, lease, batch, document).await,
-    };
+    let answers = C::commit(s, queue, lease, batch, &mut records).await;
     let now = Instant::now();
     let again: Vec<bool> = batch
         .iter()
@@ -348,7 +555,7 @@ async fn commit(s: &Shared, queue: &Queue, lease: &Lease, batch: &[Pending]) -> 
         .zip(&again)
         .filter(|(_, again)| !**again)
         .map(|(pa, _)| pa);
-    records.extend(idempotency::results(s, settled));
+    records.extend(idempotency::results(s, settled, C::UNKNOWN_IS_FINAL));
     (answers, records, again)
 }
 

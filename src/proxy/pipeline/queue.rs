@@ -9,27 +9,46 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use crate::proxy::answer::Answer;
-use crate::proxy::request::WriteRequest;
+use crate::proxy::request::Idempotency;
 use crate::session::{Scope, SessionId};
 
-pub(super) struct Queue {
+/// The writes of one kind (`W`, a committer's write: see `Committer`) to one thing on the
+/// store, under one lock key: a queue's type says what it holds, so a batch is never mixed.
+pub(super) struct Queue<W> {
     pub(super) session: SessionId,
+    /// The turn of every write in the queue (it is part of the lock key).
     pub(super) turn: u64,
+    /// Whether the queue's writes named their turn: writes without one (on a route whose
+    /// turn is optional) are queued apart, at turn 0, and are not stale-checked.
+    pub(super) turn_given: bool,
     pub(super) lock_key: String,
-    /// The keys of what the queue's writes protect: the document, or the serialize route.
+    /// What the queue's writes protect, as a path on the store: the document, or the
+    /// serialize route's resource.
+    pub(super) path: String,
+    /// The keys of what the queue's writes protect.
     pub(super) scope: Scope,
-    pub(super) state: Mutex<QueueState>,
+    pub(super) state: Mutex<QueueState<W>>,
 }
 
-#[derive(Default)]
-pub(super) struct QueueState {
-    pub(super) pending: VecDeque<Pending>,
+pub(super) struct QueueState<W> {
+    pub(super) pending: VecDeque<Pending<W>>,
     pub(super) leading: bool,
 }
 
-pub(super) struct Pending {
+impl<W> Default for QueueState<W> {
+    fn default() -> Self {
+        Self {
+            pending: VecDeque::new(),
+            leading: false,
+        }
+    }
+}
+
+pub(super) struct Pending<W> {
     pub(super) id: u64,
-    pub(super) write: WriteRequest,
+    pub(super) write: W,
+    /// The client's idempotency key (digest) and the request's fingerprint, when it sent one.
+    pub(super) idempotency: Option<Idempotency>,
     /// The idempotency record's key and the claim it holds, when the write has a key.
     pub(super) claim: Option<(String, Bytes)>,
     pub(super) deadline: Instant,
@@ -44,7 +63,7 @@ pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 // === impl Queue ===
 
-impl Queue {
+impl<W> Queue<W> {
     pub(super) fn withdraw(&self, id: u64) -> bool {
         let mut st = lock(&self.state);
         let before = st.pending.len();
@@ -63,7 +82,8 @@ impl Queue {
     ) -> Option<Instant> {
         let mut st = lock(&self.state);
         let now = Instant::now();
-        let (due, keep): (VecDeque<Pending>, VecDeque<Pending>) = st.pending.drain(..).partition(|p| p.deadline <= now);
+        let (due, keep): (VecDeque<Pending<W>>, VecDeque<Pending<W>>) =
+            st.pending.drain(..).partition(|p| p.deadline <= now);
         st.pending = keep;
         for p in due {
             dropped.extend(p.claim);
@@ -76,14 +96,14 @@ impl Queue {
         latest
     }
 
-    pub(super) fn take(&self, max: usize) -> Vec<Pending> {
+    pub(super) fn take(&self, max: usize) -> Vec<Pending<W>> {
         let mut st = lock(&self.state);
         let n = st.pending.len().min(max);
         st.pending.drain(..n).collect()
     }
 
     /// Puts writes taken into a batch back at the front of the queue, in their order.
-    pub(super) fn requeue(&self, writes: Vec<Pending>) {
+    pub(super) fn requeue(&self, writes: Vec<Pending<W>>) {
         let mut st = lock(&self.state);
         for p in writes.into_iter().rev() {
             st.pending.push_front(p);
@@ -112,39 +132,28 @@ mod tests {
     use super::*;
     use crate::merge::Op;
     use crate::proxy::error::WriteError;
-    use crate::proxy::request::Action;
     use crate::session::Keys;
 
-    fn queue() -> Queue {
+    fn queue() -> Queue<Op> {
         let session = SessionId::parse("s-1").expect("valid id");
         Queue {
             scope: Keys::new("t:").scope(&session, "/v1/sessions/s-1"),
             session,
             turn: 1,
+            turn_given: true,
             lock_key: "t:session:{s-1}:1".into(),
+            path: "/v1/sessions/s-1".into(),
             state: Mutex::new(QueueState::default()),
         }
     }
 
     /// Queues one append with `deadline`, with a claim named after `id`; returns its answer's receiver.
-    fn push(q: &Queue, id: u64, deadline: Instant) -> oneshot::Receiver<Answer> {
+    fn push(q: &Queue<Op>, id: u64, deadline: Instant) -> oneshot::Receiver<Answer> {
         let (reply, rx) = oneshot::channel();
-        let write = WriteRequest {
-            session: q.session.clone(),
-            turn: q.turn,
-            turn_given: true,
-            route: "append",
-            action: Action::Merge {
-                op: Op::Append { messages: Vec::new() },
-                document: "/v1/sessions/s-1".into(),
-                store: Default::default(),
-            },
-            idempotency: None,
-            wait: None,
-        };
         lock(&q.state).pending.push_back(Pending {
             id,
-            write,
+            write: Op::Append { messages: Vec::new() },
+            idempotency: None,
             claim: Some((format!("claim-{id}"), Bytes::new())),
             deadline,
             wait: Duration::from_secs(60),
