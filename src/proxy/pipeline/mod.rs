@@ -64,8 +64,9 @@ const MAX_ATTEMPTS: u32 = 4;
 const REQUEUE_PAUSE: Duration = Duration::from_millis(2);
 
 /// Documents whose message digests a proxy keeps (the hot ones: all are forgotten when more
-/// are written, and relearned at their next commit).
-const DIGEST_CACHES: usize = 256;
+/// are written, and relearned at their next commit). Few: a cache holds every message of its
+/// document, so memory follows the documents' size times this number.
+const DIGEST_CACHES: usize = 32;
 
 #[derive(Clone, Debug)]
 pub struct Settings {
