@@ -10,6 +10,7 @@ Standard library only.
 import json
 import os
 import random
+import signal
 import sys
 import time
 import urllib.error
@@ -93,5 +94,8 @@ class Handler(BaseHTTPRequestHandler):
 
 
 if __name__ == "__main__":
+    # As a container's PID 1 no default handler ends the process on SIGTERM: `docker stop`
+    # would wait its whole grace period and then kill it.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     print(f"agent listening on :{PORT}, store at {STORE}", file=sys.stderr, flush=True)
     ThreadingHTTPServer(("0.0.0.0", PORT), Handler).serve_forever()

@@ -9,6 +9,7 @@ session), WORKERS. Standard library only.
 
 import json
 import os
+import signal
 import sys
 import time
 import urllib.error
@@ -103,4 +104,6 @@ def main():
 
 
 if __name__ == "__main__":
+    # As a container's PID 1 no default handler ends the process on SIGTERM.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     sys.exit(main())
