@@ -62,6 +62,12 @@ impl Running {
 
 /// Loads the certificate and starts serving.
 pub async fn start(args: WebhookArgs) -> Result<Running, StartError> {
+    // The default Redis URL goes into every injected sidecar: one the sidecar would refuse
+    // stops the injector here, not every pod at admission.
+    if let Some(url) = &args.redis {
+        crate::redis_url::check(url)
+            .map_err(|reason| ConfigError(format!("--redis {}: {reason}", crate::redis_url::redact(url))))?;
+    }
     let certs = Arc::new(Certs::load(args.tls_cert.clone(), args.tls_key.clone()).map_err(ConfigError)?);
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let mut tls = rustls::ServerConfig::builder_with_provider(provider)

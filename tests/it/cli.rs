@@ -34,6 +34,11 @@ fn bad_configuration_exits_64_with_a_clear_message() {
             vec!["proxy", "--routes", "/nonexistent/routes.toml"],
             "cannot read routes file",
         ),
+        // The injector's default URL is checked as the sidecar checks it, before any pod.
+        (
+            vec!["inject", "--redis", "redis+cluster://u:pw@10.0.0.11:6379/0"],
+            "--redis redis+cluster://***@10.0.0.11:6379/0",
+        ),
     ] {
         let out = Command::new(turnlock_bin()).args(&args).output().expect("run turnlock");
         let stderr = String::from_utf8_lossy(&out.stderr);
