@@ -293,6 +293,16 @@ impl Locks {
         }
     }
 
+    /// Whether a lock backend error is worth waiting out within a write's deadline: on a
+    /// Redis Cluster, a shard failing over has a new primary within seconds, and the other
+    /// shards keep working. (A single Redis that fails is answered at once.)
+    pub fn waits_out_failovers(&self) -> bool {
+        match self {
+            Locks::Memory(_) => false,
+            Locks::Redis(r) => r.conn().is_cluster(),
+        }
+    }
+
     /// Answers whether the backend is reachable.
     pub async fn ping(&self) -> Result<(), LockError> {
         match self {
@@ -434,13 +444,23 @@ impl Lease {
 
     /// Gives the lock back; returns whether it was still held by this writer.
     pub async fn release(self, metrics: &Metrics) -> bool {
-        self.release_with(metrics, Vec::new()).await
+        self.release_carrying(metrics, Vec::new()).await.0
     }
 
     /// Stores `records` (what was committed under the lock) and gives the lock back, in one
-    /// round trip. Only for a backend that [`Locks::carries_records`]; returns whether the
-    /// lock was still held by this writer.
-    pub async fn release_with(mut self, metrics: &Metrics, records: Vec<Entry>) -> bool {
+    /// round trip. Only for a backend that [`Locks::carries_records`]. When the round trip
+    /// fails the records come back, to be stored again later (each is safe to store twice: a
+    /// compare-and-set on its claim, or a snapshot keyed by its version).
+    pub async fn release_with(self, metrics: &Metrics, records: Vec<Entry>) -> Result<(), Vec<Entry>> {
+        match self.release_carrying(metrics, records).await {
+            (_, None) => Ok(()),
+            (_, Some(unsaved)) => Err(unsaved),
+        }
+    }
+
+    /// Releases with `records`; returns whether the lock was still held, and the records when
+    /// the round trip failed (none of them is known to be stored).
+    async fn release_carrying(mut self, metrics: &Metrics, records: Vec<Entry>) -> (bool, Option<Vec<Entry>>) {
         self.released = true;
         if let Some(r) = self.renewal.take() {
             r.abort();
@@ -450,16 +470,16 @@ impl Lease {
         if result.is_err() && !records.is_empty() {
             tracing::warn!(
                 key = %self.key,
-                "idempotency records and version snapshot not stored; retries may apply again"
+                "idempotency records and version snapshot not stored with the release; stored again once Redis answers"
             );
         }
         self.locks.held().remove(&self.key);
         match result {
-            Ok(held) => held,
+            Ok(held) => (held, None),
             Err(error) => {
                 self.locks.release_failed();
                 tracing::warn!(key = %self.key, %error, "lock release failed; it expires with its lease");
-                false
+                (false, (!records.is_empty()).then_some(records))
             }
         }
     }

@@ -639,3 +639,211 @@ async fn a_cluster_over_tls_is_written_on_every_shard() {
         }
     }
 }
+
+/// What one write of [`retrying_writers`] met: every answer that was not an acceptance (when,
+/// after the start, and its status and code), and when it was accepted.
+#[derive(Debug, Default)]
+struct Retried {
+    session: String,
+    token: String,
+    first_try: Duration,
+    accepted: Option<Duration>,
+    refusals: Vec<(Duration, u16, String)>,
+}
+
+/// Writers as an agent retries: each writer appends to one session (turn 1), with the message
+/// id as its `Idempotency-Key`, and sends the same write again 100 ms after any answer but an
+/// acceptance, for up to `give_up`. New writes start until `run` has passed.
+async fn retrying_writers(
+    clients: Vec<turnlock::client::JsonClient>,
+    sessions: Vec<String>,
+    writers: usize,
+    run: Duration,
+    give_up: Duration,
+    started: Instant,
+) -> Vec<Retried> {
+    let tasks: Vec<_> = (0..writers)
+        .map(|w| {
+            let clients = clients.clone();
+            let session = sessions[w % sessions.len()].clone();
+            tokio::spawn(async move {
+                let mut out = Vec::new();
+                let mut n = 0;
+                while started.elapsed() < run {
+                    n += 1;
+                    let token = format!("{session}-w{w}-{n}");
+                    let mut r = Retried {
+                        session: session.clone(),
+                        token: token.clone(),
+                        first_try: started.elapsed(),
+                        ..Retried::default()
+                    };
+                    let key = [("idempotency-key", token.clone())];
+                    let mut tries = 0usize;
+                    loop {
+                        tries += 1;
+                        let client = &clients[(w + tries) % clients.len()];
+                        let reply = try_append(client, &session, 1, &token, true, &key).await;
+                        match reply {
+                            Ok(reply) if reply.status.is_success() => {
+                                r.accepted = Some(started.elapsed());
+                                break;
+                            }
+                            Ok(reply) => r.refusals.push((
+                                started.elapsed(),
+                                reply.status.as_u16(),
+                                reply.json["error"].as_str().unwrap_or("").to_owned(),
+                            )),
+                            Err(e) => r.refusals.push((started.elapsed(), 0, e)),
+                        }
+                        if started.elapsed() - r.first_try > give_up {
+                            break;
+                        }
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                    out.push(r);
+                }
+                out
+            })
+        })
+        .collect();
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await.expect("writer"));
+    }
+    all
+}
+
+/// Every accepted write is in its session's document exactly once, and nothing else is.
+async fn assert_written_once(store: std::net::SocketAddr, sessions: &[String], writes: &[Retried]) {
+    let ledger = Ledger::default();
+    for w in writes.iter().filter(|w| w.accepted.is_some()) {
+        ledger.ack(&w.session, &w.token, 1, &serde_json::Value::Null);
+    }
+    for w in writes.iter().filter(|w| w.accepted.is_none()) {
+        ledger.unknown(&w.session, &w.token);
+    }
+    let counts = check(store, sessions, &[&ledger]).await;
+    assert!(
+        counts.lost == 0 && counts.duplicated == 0 && counts.unexplained == 0,
+        "{counts:?}"
+    );
+}
+
+/// A primary SIGKILLed under writes that agents retry with their `Idempotency-Key`: a write
+/// answered with an error that means "nothing applied" goes through on a retry once its shard
+/// has a primary again (its claim on the key is dropped once Redis takes the drop, not left
+/// `request_in_progress` for the claim's whole lifetime), and nothing is applied twice. With
+/// Redis's default `cluster-require-full-coverage yes`, every shard refuses commands while
+/// the dead one has no primary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_write_refused_during_a_failover_goes_through_when_retried() {
+    let mut cluster = Cluster::start();
+    let store = store().await;
+    let proxies = cluster_proxies(&cluster, store.addr, 3).await;
+    let (sessions, owner) = sessions_on_every_shard(&cluster, "retried", 2);
+    let victim = owner[&sessions[0]];
+    let clients: Vec<_> = proxies.iter().map(|p| client(p.addr)).collect();
+    let started = Instant::now();
+    let run = tokio::spawn(retrying_writers(
+        clients,
+        sessions.clone(),
+        12,
+        Duration::from_secs(12),
+        Duration::from_secs(25),
+        started,
+    ));
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    cluster.node(victim).kill();
+    let killed = started.elapsed();
+    let writes = run.await.expect("writers");
+
+    let refused = writes.iter().filter(|w| !w.refusals.is_empty()).count();
+    let slowest = writes
+        .iter()
+        .filter_map(|w| w.accepted.map(|a| a - w.first_try))
+        .max()
+        .unwrap_or_default();
+    let codes: BTreeMap<String, usize> =
+        writes
+            .iter()
+            .flat_map(|w| &w.refusals)
+            .fold(BTreeMap::new(), |mut m, (_, status, code)| {
+                *m.entry(format!("{status} {code}")).or_default() += 1;
+                m
+            });
+    eprintln!(
+        "CLUSTER-RETRIED killed at {killed:?}: {} writes, {refused} met a refusal, slowest accepted {slowest:?} after its first try, refusals {codes:?}",
+        writes.len()
+    );
+    let stuck: Vec<_> = writes.iter().filter(|w| w.accepted.is_none()).collect();
+    assert!(stuck.is_empty(), "writes never accepted on retry: {stuck:?}");
+    assert!(
+        slowest < Duration::from_secs(15),
+        "a retried write waited {slowest:?} to be accepted"
+    );
+    assert_written_once(store.addr, &sessions, &writes).await;
+}
+
+/// With `cluster-require-full-coverage no` (what the README asks for), a primary SIGKILLed
+/// stops no session of the other shards: they see no error at all; and the dead shard's
+/// writes wait for its replica's promotion within their wait deadline instead of bouncing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_failover_leaves_the_other_shards_untouched() {
+    let mut cluster = Cluster::start_with(|_| vec!["--cluster-require-full-coverage".into(), "no".into()]);
+    let store = store().await;
+    let mut proxies = Vec::new();
+    for _ in 0..3 {
+        let mut args = proxy_args(store.addr, None);
+        args.redis = Some(cluster.url());
+        args.wait_deadline_ms = 8000;
+        proxies.push(proxy(args).await);
+    }
+    let (sessions, owner) = sessions_on_every_shard(&cluster, "healthy", 2);
+    let victim = owner[&sessions[0]];
+    let clients: Vec<_> = proxies.iter().map(|p| client(p.addr)).collect();
+    let started = Instant::now();
+    let run = tokio::spawn(retrying_writers(
+        clients,
+        sessions.clone(),
+        12,
+        Duration::from_secs(10),
+        Duration::from_secs(25),
+        started,
+    ));
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    cluster.node(victim).kill();
+    let killed = started.elapsed();
+    let writes = run.await.expect("writers");
+
+    let owner = &owner;
+    let on = |dead: bool| {
+        writes
+            .iter()
+            .filter(move |w| (owner[&w.session] == victim) == dead)
+            .flat_map(|w| w.refusals.iter().map(move |r| (w.session.clone(), r.clone())))
+            .collect::<Vec<_>>()
+    };
+    let (healthy, dead) = (on(false), on(true));
+    let paused = writes
+        .iter()
+        .filter(|w| owner[&w.session] == victim)
+        .filter_map(|w| w.accepted.map(|a| a - w.first_try))
+        .max()
+        .unwrap_or_default();
+    eprintln!(
+        "CLUSTER-HEALTHY killed at {killed:?}: healthy shards {} refusals, dead shard {} refusals, its longest write {paused:?}",
+        healthy.len(),
+        dead.len()
+    );
+    assert!(
+        healthy.is_empty(),
+        "the healthy shards' sessions were refused: {healthy:?}"
+    );
+    assert!(
+        dead.is_empty(),
+        "the dead shard's writes bounced within their deadline: {dead:?}"
+    );
+    assert!(writes.iter().all(|w| w.accepted.is_some()), "writes never accepted");
+    assert_written_once(store.addr, &sessions, &writes).await;
+}
