@@ -303,6 +303,23 @@ impl Locks {
         }
     }
 
+    /// On a Redis Cluster, each primary checked on its own (see
+    /// [`crate::redis_conn::RedisConn::cluster_health`]); `None` on any other backend.
+    pub async fn cluster_health(
+        &self,
+        timeout: std::time::Duration,
+    ) -> Option<Result<crate::redis_conn::ClusterHealth, LockError>> {
+        match self {
+            Locks::Redis(r) if r.conn().is_cluster() => Some(
+                r.conn()
+                    .cluster_health(timeout)
+                    .await
+                    .map_err(|e| LockError::Backend(e.to_string())),
+            ),
+            _ => None,
+        }
+    }
+
     /// Answers whether the backend is reachable.
     pub async fn ping(&self) -> Result<(), LockError> {
         match self {

@@ -115,3 +115,192 @@ pub(super) fn build_cluster(
         .build()
         .map_err(|e| ConnError::Setting(format!("Redis Cluster: {e}")))
 }
+
+/// One primary as the health check found it.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct NodeHealth {
+    /// `host:port`, as the cluster announces it.
+    pub node: String,
+    /// The slots it serves, as `first-last` ranges.
+    pub slots: Vec<String>,
+    /// It answered `CLUSTER INFO` and says `cluster_state:ok`.
+    pub up: bool,
+    /// Its `cluster_state`, when it answered.
+    pub state: Option<String>,
+    pub error: Option<String>,
+}
+
+/// The cluster's primaries, each checked on its own: a primary that does not answer, or one
+/// that says the cluster is down (`cluster_state:fail`), is down.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct ClusterHealth {
+    pub nodes: Vec<NodeHealth>,
+}
+
+impl ClusterHealth {
+    /// Whether every primary answered and says the cluster is ok.
+    pub fn all_up(&self) -> bool {
+        !self.nodes.is_empty() && self.nodes.iter().all(|n| n.up)
+    }
+
+    /// What is wrong, for `/status` and the log: the nodes down and why.
+    pub fn summary(&self) -> String {
+        let down: Vec<String> = self
+            .nodes
+            .iter()
+            .filter(|n| !n.up)
+            .map(|n| {
+                let why = n
+                    .error
+                    .clone()
+                    .or_else(|| n.state.as_ref().map(|s| format!("cluster_state:{s}")))
+                    .unwrap_or_default();
+                format!("{} ({why})", n.node)
+            })
+            .collect();
+        if down.is_empty() {
+            "every primary answers".into()
+        } else {
+            format!(
+                "{} of {} primaries down: {}",
+                down.len(),
+                self.nodes.len(),
+                down.join(", ")
+            )
+        }
+    }
+}
+
+impl RedisConn {
+    /// Checks each primary of the cluster on its own, within `timeout`: the slot layout from
+    /// any node (`CLUSTER SLOTS`), then `CLUSTER INFO` on every primary it names. A `PING`
+    /// routed by the cluster client goes to whichever node it picks, and says nothing of the
+    /// others.
+    pub async fn cluster_health(&self, timeout: Duration) -> Result<ClusterHealth, RedisError> {
+        use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
+        let Conn::Cluster(conn) = self.get().await? else {
+            return Err(io_error("not a cluster URL"));
+        };
+        let mut slots_cmd = redis::cmd("CLUSTER");
+        slots_cmd.arg("SLOTS");
+        let mut c = conn.clone();
+        let layout = tokio::time::timeout(
+            timeout,
+            c.route_command(slots_cmd, RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random)),
+        )
+        .await
+        .map_err(|_| io_error("no node answered CLUSTER SLOTS"))??;
+        let primaries = primaries_of(&layout);
+        if primaries.is_empty() {
+            return Err(io_error("CLUSTER SLOTS named no primary"));
+        }
+        let checks = primaries.into_iter().map(|((host, port), slots)| {
+            let mut c = conn.clone();
+            async move {
+                let mut info = redis::cmd("CLUSTER");
+                info.arg("INFO");
+                let node = format!("{}:{port}", crate::redis_url::bracket(&host));
+                let route = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress { host, port });
+                let answer = tokio::time::timeout(timeout, c.route_command(info, route)).await;
+                let (state, error) = match answer {
+                    Ok(Ok(v)) => match redis::from_redis_value::<String>(v) {
+                        Ok(text) => (cluster_state(&text), None),
+                        Err(e) => (None, Some(e.to_string())),
+                    },
+                    Ok(Err(e)) => (None, Some(e.to_string())),
+                    Err(_) => (None, Some(format!("no answer within {timeout:?}"))),
+                };
+                NodeHealth {
+                    node,
+                    slots,
+                    up: state.as_deref() == Some("ok"),
+                    state,
+                    error,
+                }
+            }
+        });
+        let mut nodes = futures_util::future::join_all(checks).await;
+        nodes.sort_by(|a, b| a.node.cmp(&b.node));
+        Ok(ClusterHealth { nodes })
+    }
+}
+
+/// The `cluster_state` line of a `CLUSTER INFO` answer.
+fn cluster_state(info: &str) -> Option<String> {
+    info.lines()
+        .find_map(|l| l.trim().strip_prefix("cluster_state:"))
+        .map(|s| s.trim().to_owned())
+}
+
+/// The primary of every slot range of a `CLUSTER SLOTS` answer, with its ranges.
+fn primaries_of(layout: &redis::Value) -> Vec<((String, u16), Vec<String>)> {
+    use redis::Value;
+    let mut out: Vec<((String, u16), Vec<String>)> = Vec::new();
+    let Value::Array(ranges) = layout else { return out };
+    for range in ranges {
+        let Value::Array(fields) = range else { continue };
+        let (Some(Value::Int(first)), Some(Value::Int(last)), Some(Value::Array(primary))) =
+            (fields.first(), fields.get(1), fields.get(2))
+        else {
+            continue;
+        };
+        let host = match primary.first() {
+            Some(Value::BulkString(b)) => String::from_utf8_lossy(b).into_owned(),
+            Some(Value::SimpleString(s)) => s.clone(),
+            _ => continue,
+        };
+        let Some(Value::Int(port)) = primary.get(1) else {
+            continue;
+        };
+        let Ok(port) = u16::try_from(*port) else { continue };
+        let span = if first == last {
+            first.to_string()
+        } else {
+            format!("{first}-{last}")
+        };
+        match out.iter_mut().find(|(addr, _)| addr.0 == host && addr.1 == port) {
+            Some((_, spans)) => spans.push(span),
+            None => out.push(((host, port), vec![span])),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_primaries_and_their_slots_are_read_from_cluster_slots() {
+        use redis::Value;
+        let node = |host: &str, port: i64| {
+            Value::Array(vec![
+                Value::BulkString(host.as_bytes().to_vec()),
+                Value::Int(port),
+                Value::BulkString(b"id".to_vec()),
+            ])
+        };
+        let layout = Value::Array(vec![
+            Value::Array(vec![
+                Value::Int(0),
+                Value::Int(5460),
+                node("10.0.0.1", 6379),
+                node("10.0.0.4", 6379),
+            ]),
+            Value::Array(vec![Value::Int(5461), Value::Int(10922), node("10.0.0.2", 6379)]),
+            Value::Array(vec![Value::Int(10923), Value::Int(10923), node("10.0.0.1", 6379)]),
+        ]);
+        let got = primaries_of(&layout);
+        assert_eq!(
+            got,
+            vec![
+                (("10.0.0.1".into(), 6379), vec!["0-5460".into(), "10923".into()]),
+                (("10.0.0.2".into(), 6379), vec!["5461-10922".into()]),
+            ]
+        );
+        assert_eq!(
+            cluster_state("cluster_enabled:1\r\ncluster_state:fail\r\n").as_deref(),
+            Some("fail")
+        );
+    }
+}

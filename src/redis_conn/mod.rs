@@ -39,6 +39,7 @@ mod sentinel;
 mod single;
 
 use self::cluster::build_cluster;
+pub use self::cluster::{ClusterHealth, NodeHealth};
 use self::progress::Progress;
 use self::sentinel::build_sentinel;
 

@@ -847,3 +847,82 @@ async fn a_failover_leaves_the_other_shards_untouched() {
     assert!(writes.iter().all(|w| w.accepted.is_some()), "writes never accepted");
     assert_written_once(store.addr, &sessions, &writes).await;
 }
+
+/// `/status` of an admin address, as JSON.
+async fn status_of(admin: std::net::SocketAddr) -> serde_json::Value {
+    client(admin)
+        .send(http::Method::GET, "/status", None, &[])
+        .await
+        .map(|r| r.json)
+        .unwrap_or_default()
+}
+
+/// The health check is cluster-aware: with a primary and its replica SIGKILLed (its slots
+/// served by no one, `cluster_state:fail`), `/status` and `turnlock_dependency_up` say Redis
+/// is down and name the node (`turnlock_redis_node_up{node}` = 0), while the pod stays
+/// ready (a Redis outage is not the sidecar's fault). Before, a `PING` routed to any node
+/// kept saying Redis was up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_dead_shard_is_reported_by_node_and_leaves_the_pod_ready() {
+    let mut cluster = Cluster::start();
+    let store = store().await;
+    let proxies = cluster_proxies(&cluster, store.addr, 1).await;
+    let admin = proxies[0].admin;
+    let primaries: Vec<u16> = cluster.owners().iter().map(|o| o.2).collect();
+    let healthy = eventually(Duration::from_secs(10), Duration::from_millis(100), || async {
+        let s = status_of(admin).await;
+        s["dependencies"]["redis"]["up"] == serde_json::json!(true)
+            && s["dependencies"]["redis"]["nodes"]
+                .as_array()
+                .is_some_and(|n| n.len() == 3)
+    })
+    .await;
+    assert!(
+        healthy.is_some(),
+        "the cluster never reported up: {}",
+        status_of(admin).await
+    );
+    let text = metrics(admin).await;
+    for port in &primaries {
+        let sample = format!("turnlock_redis_node_up{{node=\"127.0.0.1:{port}\"}}");
+        assert_eq!(metric(&text, &sample), 1.0, "{sample} in\n{text}");
+    }
+
+    let victim = primaries[0];
+    let replica = replica_of(&cluster, victim);
+    cluster.node(replica).kill();
+    cluster.node(victim).kill();
+    let killed = Instant::now();
+    let reported = eventually(Duration::from_secs(15), Duration::from_millis(100), || async {
+        dependency_up(admin, "redis").await == Some(false)
+    })
+    .await;
+    let status = status_of(admin).await;
+    assert!(
+        reported.is_some(),
+        "Redis still reported up {:?} after a shard died: {status}",
+        killed.elapsed()
+    );
+    eprintln!("CLUSTER-HEALTH a dead shard reported down after {reported:?}: {status}");
+    let dead = format!("127.0.0.1:{victim}");
+    let nodes = status["dependencies"]["redis"]["nodes"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    let node = nodes.iter().find(|n| n["node"] == serde_json::json!(dead));
+    assert!(
+        node.is_some_and(|n| n["up"] == serde_json::json!(false)),
+        "the dead primary {dead} is not named down: {status}"
+    );
+    let error = status["dependencies"]["redis"]["error"].as_str().unwrap_or("");
+    assert!(error.contains(&dead), "the error does not name {dead}: {error}");
+    let text = metrics(admin).await;
+    assert_eq!(
+        metric(&text, "turnlock_dependency_up{dependency=\"redis\"}"),
+        0.0,
+        "{text}"
+    );
+    let sample = format!("turnlock_redis_node_up{{node=\"{dead}\"}}");
+    assert!(text.contains(&format!("{sample} 0")), "{sample} is not 0 in\n{text}");
+    assert_eq!(readyz(admin).await, 200, "a dead shard made the pod NotReady");
+}
