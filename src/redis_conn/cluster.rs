@@ -233,7 +233,7 @@ fn cluster_state(info: &str) -> Option<String> {
 }
 
 /// The primary of every slot range of a `CLUSTER SLOTS` answer, with its ranges.
-fn primaries_of(layout: &redis::Value) -> Vec<((String, u16), Vec<String>)> {
+pub(super) fn primaries_of(layout: &redis::Value) -> Vec<((String, u16), Vec<String>)> {
     use redis::Value;
     let mut out: Vec<((String, u16), Vec<String>)> = Vec::new();
     let Value::Array(ranges) = layout else { return out };

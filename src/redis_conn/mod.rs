@@ -35,6 +35,7 @@ use crate::redis_url::{ClusterSpec, SentinelSpec, Target};
 mod cluster;
 mod progress;
 mod resend;
+mod scan;
 mod sentinel;
 mod single;
 

@@ -926,3 +926,73 @@ async fn a_dead_shard_is_reported_by_node_and_leaves_the_pod_ready() {
     assert!(text.contains(&format!("{sample} 0")), "{sample} is not 0 in\n{text}");
     assert_eq!(readyz(admin).await, 200, "a dead shard made the pod NotReady");
 }
+
+/// A Redis holding keys of the older key layout (before hash tags): a proxy refuses to start
+/// and names `turnlock migrate-keys`; that command refuses while an old proxy holds a lock,
+/// then carries the fencing counter over (a token at least the old counter's next) and
+/// removes the old keys; the proxy then starts and its first grant is above the old counter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_older_key_layout_stops_the_start_until_migrated() {
+    let redis = RedisServer::start();
+    let store = store().await;
+    let client = redis::Client::open(redis.url()).expect("client");
+    let mut c = client
+        .get_connection_with_timeout(Duration::from_secs(2))
+        .expect("connect");
+    // Above any clock-based token (2^52 µs is the year 2112): only a carried-over counter
+    // makes the next token larger.
+    let old_counter: u64 = 1 << 52;
+    let set = |c: &mut redis::Connection, args: &[&str]| {
+        let mut cmd = redis::cmd(args[0]);
+        for a in &args[1..] {
+            cmd.arg(*a);
+        }
+        cmd.query::<()>(c).expect("redis command");
+    };
+    set(&mut c, &["SET", "turnlock:fence:old-1", &old_counter.to_string()]);
+    set(&mut c, &["SET", "turnlock:idem:old-1:abc", "{}"]);
+    set(&mut c, &["SET", "turnlock:session:old-1:1", "token", "PX", "1500"]);
+
+    let refused = turnlock::sidecar::start(proxy_args(store.addr, Some(&redis))).await;
+    let Err(e) = refused else {
+        panic!("a proxy started beside keys of the older layout");
+    };
+    let text = e.to_string();
+    assert!(
+        text.contains("migrate-keys") && text.contains("turnlock:fence:old-1"),
+        "{text}"
+    );
+
+    let migrate = || {
+        Command::new(turnlock_bin())
+            .args(["migrate-keys", "--redis", &redis.url()])
+            .output()
+            .expect("turnlock migrate-keys")
+    };
+    let busy = migrate();
+    assert!(!busy.status.success(), "migrated while an old proxy held a lock");
+    assert!(
+        String::from_utf8_lossy(&busy.stderr).contains("holds locks"),
+        "{}",
+        String::from_utf8_lossy(&busy.stderr)
+    );
+    tokio::time::sleep(Duration::from_millis(1700)).await;
+    let done = migrate();
+    let out = String::from_utf8_lossy(&done.stdout);
+    assert!(done.status.success(), "{out} {}", String::from_utf8_lossy(&done.stderr));
+    assert!(out.contains("1 fencing counters carried over, 2 keys"), "{out}");
+    let left: Vec<String> = redis::cmd("KEYS").arg("turnlock:*").query(&mut c).expect("KEYS");
+    assert_eq!(left, vec!["turnlock:session:{old-1}:fence".to_owned()], "{left:?}");
+
+    let p = proxy(proxy_args(store.addr, Some(&redis))).await;
+    let r = append(&crate::support::client(p.addr), "old-1", 1, "after-upgrade").await;
+    assert!(r.status.is_success(), "{:?}", r.json);
+    let token: u64 = redis::cmd("GET")
+        .arg("turnlock:session:{old-1}:fence")
+        .query(&mut c)
+        .expect("GET fence");
+    assert!(
+        token > old_counter,
+        "token {token} not above the old counter {old_counter}"
+    );
+}
