@@ -270,6 +270,32 @@ impl Locks {
         }
     }
 
+    /// Gives a commit slot back in the background after its release failed on a Redis
+    /// Cluster (the shard failing over): the slot reached the replica, and the document's
+    /// next write would otherwise wait until it lapses (the store timeout + a lease). Tried
+    /// until it lapses by itself; safe to run late: the slot goes only while it still holds
+    /// this grant's token, and a turn mark only rises. A deletion's release is not retried (a
+    /// late one could clear the mark of a document written again meanwhile).
+    pub fn release_slot_later(&self, lease: &Lease, scope: &Scope, settled: Settled) {
+        let Locks::Redis(r) = self else { return };
+        if matches!(settled, Settled::Deleted) || !r.conn().is_cluster() {
+            return;
+        }
+        let (r, token, scope) = (r.clone(), lease.token.clone(), scope.clone());
+        let until = Instant::now() + r.settings.slot_ttl;
+        tokio::spawn(async move {
+            let mut pause = Duration::from_millis(100);
+            while Instant::now() + pause < until {
+                tokio::time::sleep(pause).await;
+                if r.release_slot(&token, &scope, settled).await.is_ok() {
+                    tracing::info!(slot = %scope.slot(), "commit slot given back after a retry");
+                    return;
+                }
+                pause = (pause * 2).min(Duration::from_millis(400));
+            }
+        });
+    }
+
     /// Raises a document's turn mark for a serialized write whose outcome is unknown (it may
     /// have landed), leaving its commit slot to expire by itself: a write of an older turn is
     /// then refused as stale rather than stored after one that may be there.

@@ -787,14 +787,18 @@ async fn a_write_refused_during_a_failover_goes_through_when_retried() {
 
 /// With `cluster-require-full-coverage no` (what the README asks for), a primary SIGKILLed
 /// stops no session of the other shards: they see no error at all; and the dead shard's
-/// writes wait for its replica's promotion within their wait deadline instead of bouncing.
+/// writes wait for its replica's promotion within their wait deadline instead of bouncing,
+/// and no longer than the promotion.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_failover_leaves_the_other_shards_untouched() {
     let mut cluster = Cluster::start_with(|_| vec!["--cluster-require-full-coverage".into(), "no".into()]);
     let store = store().await;
+    // A store that takes 200 ms per write-back: each session's commit slot is held most of
+    // the time, so the killed primary has granted one that reached its replica.
+    let slow = front_store(store.addr, PutDelay::Every(Duration::from_millis(200))).await;
     let mut proxies = Vec::new();
     for _ in 0..3 {
-        let mut args = proxy_args(store.addr, None);
+        let mut args = proxy_args(slow, None);
         args.redis = Some(cluster.url());
         args.wait_deadline_ms = 8000;
         proxies.push(proxy(args).await);
@@ -845,6 +849,13 @@ async fn a_failover_leaves_the_other_shards_untouched() {
         "the dead shard's writes bounced within their deadline: {dead:?}"
     );
     assert!(writes.iter().all(|w| w.accepted.is_some()), "writes never accepted");
+    // The promotion takes about 2 s. A commit slot the killed primary granted reached its
+    // replica: given back once the new primary answers, not left to lapse (the store timeout
+    // + a lease, 7 s here).
+    assert!(
+        paused < Duration::from_secs(5),
+        "the dead shard's writes waited {paused:?}"
+    );
     assert_written_once(store.addr, &sessions, &writes).await;
 }
 

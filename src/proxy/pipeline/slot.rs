@@ -80,11 +80,14 @@ impl SlotHold {
                 slot = %self.scope.slot(),
                 "the write-back outlived its commit slot: a write of another turn may have been ordered before it landed"
             ),
-            Err(error) => tracing::warn!(
-                slot = %self.scope.slot(),
-                %error,
-                "commit slot not given back; the document's next write waits until it expires"
-            ),
+            Err(error) => {
+                tracing::warn!(
+                    slot = %self.scope.slot(),
+                    %error,
+                    "commit slot not given back; the document's next write waits until it expires"
+                );
+                s.locks.release_slot_later(lease, &self.scope, settled);
+            }
         }
     }
 }
