@@ -53,6 +53,9 @@ pub async fn measure(exe: &Path, redis_server: &str, plan: &Plan) -> Result<Vec<
     } else {
         Path::new("redis-cli").to_path_buf()
     };
+    if !procs::installed(&cli.to_string_lossy(), "--version") {
+        return Err(BenchError::Missing(format!("{} not found", cli.display())));
+    }
     let dir = Scratch(std::env::temp_dir().join(format!("turnlock-bench-cluster-{}", std::process::id())));
     let mut nodes = Vec::new();
     let mut ports = Vec::new();
