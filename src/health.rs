@@ -3,6 +3,13 @@
 //! shutting down); a Redis or store outage is shown by `/status`, the `dependency_up` gauge
 //! and one log line per change, while reads keep flowing and writes fail fast with
 //! `lock_unavailable` or `upstream_unavailable`.
+//!
+//! On a Redis Cluster the check reads the slot layout from any node and asks every primary
+//! for `CLUSTER INFO`: Redis counts as down while any primary does not answer or says
+//! `cluster_state:fail`, and `/status` lists each primary (`nodes`, `degraded` while some
+//! shards work and others do not). Readiness stays the latch above: one shard down leaves the
+//! sessions of the other shards writable, and a Redis outage must not take every agent pod
+//! out of its Service.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -13,6 +20,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::lock::Locks;
 use crate::metrics::Metrics;
+use crate::redis_conn::{ClusterHealth, NodeHealth};
 use crate::upstream::Upstream;
 
 /// How often each dependency is checked.
@@ -28,6 +36,8 @@ pub struct Health {
 
 struct Inner {
     redis: Dependency,
+    /// On a Redis Cluster, each primary's last check (empty otherwise).
+    redis_nodes: Mutex<Vec<NodeHealth>>,
     /// `None` in transparent mode, where there is no single store to check.
     store: Option<Dependency>,
     shutdown: CancellationToken,
@@ -55,6 +65,7 @@ impl Health {
         Self {
             inner: Arc::new(Inner {
                 redis: Dependency::new("redis"),
+                redis_nodes: Mutex::new(Vec::new()),
                 store: with_store.then(|| Dependency::new("store")),
                 shutdown,
             }),
@@ -87,7 +98,16 @@ impl Health {
     /// The detailed status for `/status` and `turnlock health --deps`.
     pub fn status(&self) -> Value {
         let mut deps = serde_json::Map::new();
-        deps.insert("redis".into(), self.inner.redis.describe());
+        let mut redis = self.inner.redis.describe();
+        let nodes = self.inner.redis_nodes.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        if !nodes.is_empty() {
+            // A cluster: which primaries answer. With some up and some down the proxy is
+            // degraded: the sessions of the shards up are written, the others' writes fail.
+            let up = nodes.iter().filter(|n| n.up).count();
+            redis["degraded"] = json!(up > 0 && up < nodes.len());
+            redis["nodes"] = serde_json::to_value(&nodes).unwrap_or(Value::Null);
+        }
+        deps.insert("redis".into(), redis);
         if let Some(store) = &self.inner.store {
             deps.insert("store".into(), store.describe());
         }
@@ -110,9 +130,23 @@ impl Health {
                     _ = tick.tick() => {}
                 }
                 let redis = async {
-                    match tokio::time::timeout(CHECK_TIMEOUT, locks.ping()).await {
-                        Ok(Ok(())) => Ok(()),
-                        Ok(Err(e)) => Err(e.to_string()),
+                    // On a cluster each primary is checked (half the time for the layout,
+                    // half for the primaries); elsewhere one PING.
+                    match tokio::time::timeout(CHECK_TIMEOUT, locks.cluster_health(CHECK_TIMEOUT / 2)).await {
+                        Ok(Some(Ok(cluster))) => {
+                            health.record_nodes(&cluster, &metrics);
+                            if cluster.all_up() {
+                                Ok(())
+                            } else {
+                                Err(cluster.summary())
+                            }
+                        }
+                        Ok(Some(Err(e))) => Err(e.to_string()),
+                        Ok(None) => match tokio::time::timeout(CHECK_TIMEOUT, locks.ping()).await {
+                            Ok(Ok(())) => Ok(()),
+                            Ok(Err(e)) => Err(e.to_string()),
+                            Err(_) => Err(format!("no answer within {CHECK_TIMEOUT:?}")),
+                        },
                         Err(_) => Err(format!("no answer within {CHECK_TIMEOUT:?}")),
                     }
                 };
@@ -133,6 +167,34 @@ impl Health {
                 }
             }
         });
+    }
+}
+
+impl Health {
+    /// Stores each cluster primary's check, logs each change by node, and sets its gauge.
+    fn record_nodes(&self, cluster: &ClusterHealth, metrics: &Metrics) {
+        let mut nodes = self.inner.redis_nodes.lock().unwrap_or_else(|p| p.into_inner());
+        for n in &cluster.nodes {
+            metrics.redis_node(&n.node, n.up);
+            let was = nodes.iter().find(|o| o.node == n.node).map(|o| o.up);
+            match (was, n.up) {
+                (Some(true) | None, false) => tracing::warn!(
+                    node = %n.node,
+                    slots = %n.slots.join(","),
+                    state = n.state.as_deref().unwrap_or("-"),
+                    error = n.error.as_deref().unwrap_or("-"),
+                    "Redis Cluster primary down: writes to its sessions fail until it or its replica answers"
+                ),
+                (Some(false), true) => tracing::info!(node = %n.node, "Redis Cluster primary answers again"),
+                (None, true) => tracing::info!(node = %n.node, slots = %n.slots.join(","), "Redis Cluster primary"),
+                _ => {}
+            }
+        }
+        for gone in nodes.iter().filter(|o| !cluster.nodes.iter().any(|n| n.node == o.node)) {
+            metrics.forget_redis_node(&gone.node);
+            tracing::info!(node = %gone.node, "no longer a Redis Cluster primary");
+        }
+        *nodes = cluster.nodes.clone();
     }
 }
 

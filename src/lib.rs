@@ -26,6 +26,7 @@
 //! - [`bench`]: turnlock measured side by side with the store alone and with naive locks.
 //! - [`config`]: the proxy's flags, start errors and exit codes (each other subcommand's
 //!   arguments live with its module).
+//! - [`key_layout`]: the startup check for keys of the older layout, and `migrate-keys`.
 //! - [`redis_url`]: the Redis URL forms, checked alike by the proxy and the injector.
 //! - [`redis_tls`]: TLS to Redis (roots, client certificate, server name), files reloaded.
 //! - [`http`], [`metrics`], [`redis_conn`], [`client`], [`telemetry`]: the plumbing.
@@ -40,6 +41,7 @@ pub mod demo;
 pub mod health;
 pub mod http;
 pub mod inject;
+pub mod key_layout;
 pub mod lock;
 pub mod merge;
 pub mod metrics;

@@ -43,6 +43,10 @@ enum Command {
     /// Measure turnlock side by side with going straight to the store and with naive locks;
     /// starts Redis, a store and proxies on loopback by itself.
     Bench(turnlock::bench::BenchArgs),
+    /// Move a Redis from turnlock's older key layout (before hash tags) to today's: carries
+    /// each session's fencing counter over and deletes the old keys. Run it with every proxy
+    /// of the older version stopped.
+    MigrateKeys(turnlock::key_layout::MigrateArgs),
 }
 
 #[derive(Debug, Clone, Args)]
@@ -154,6 +158,22 @@ async fn run(command: Command) -> Result<ExitCode, StartError> {
                 Ok(ExitCode::FAILURE)
             }
         },
+        Command::MigrateKeys(args) => {
+            let conn = turnlock::redis_conn::RedisConn::open(&args.redis, std::time::Duration::from_secs(5))
+                .map_err(|e| ConfigError(e.to_string()))?;
+            match turnlock::key_layout::migrate(&conn, &args.key_prefix, args.dry_run).await {
+                Ok(done) => {
+                    println!(
+                        "{} fencing counters carried over, {} keys of the older layout {}",
+                        done.fences_carried,
+                        done.deleted,
+                        if args.dry_run { "to delete" } else { "deleted" }
+                    );
+                    Ok(ExitCode::SUCCESS)
+                }
+                Err(e) => Err(StartError::Backend(e)),
+            }
+        }
         Command::Health(args) => {
             let client = turnlock::client::JsonClient::new(format!("http://{}", args.admin));
             // Within the image HEALTHCHECK's own 3 s timeout, so the check reports why.

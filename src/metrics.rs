@@ -38,6 +38,11 @@ struct DependencyLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct NodeLabel {
+    node: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RedisFailure {
     op: &'static str,
     kind: &'static str,
@@ -139,6 +144,8 @@ struct Inner {
     writes_in_flight: Gauge,
     dependency_up: Family<DependencyLabel, Gauge>,
     redis_errors: Family<RedisFailure, Counter>,
+    redis_node_up: Family<NodeLabel, Gauge>,
+    redis_node_check_failures: Family<NodeLabel, Counter>,
     process: Process,
     write_seconds: Histogram,
 }
@@ -272,6 +279,18 @@ impl Metrics {
             "Failed Redis commands by operation (try_acquire, renew, release, get, ping, …) and kind (timeout, io, refused, readonly, auth, server)",
             redis_errors.clone(),
         );
+        let redis_node_up = Family::<NodeLabel, Gauge>::default();
+        registry.register(
+            "redis_node_up",
+            "On a Redis Cluster, whether each primary (host:port) answered its last background check and said cluster_state:ok",
+            redis_node_up.clone(),
+        );
+        let redis_node_check_failures = Family::<NodeLabel, Counter>::default();
+        registry.register(
+            "redis_node_check_failures",
+            "On a Redis Cluster, background checks a primary (host:port) failed: no answer, an error, or cluster_state:fail",
+            redis_node_check_failures.clone(),
+        );
         let process = Process {
             resident: Gauge::default(),
             fds: Gauge::default(),
@@ -321,6 +340,8 @@ impl Metrics {
                 writes_in_flight,
                 dependency_up,
                 redis_errors,
+                redis_node_up,
+                redis_node_check_failures,
                 process,
                 write_seconds,
             }),
@@ -412,6 +433,23 @@ impl Metrics {
             .dependency_up
             .get_or_create(&DependencyLabel { dependency })
             .set(i64::from(up));
+    }
+
+    /// One primary's result in the cluster health check: `redis_node_up{node}`, and a
+    /// failure counted in `redis_node_check_failures_total{node}`. A node that left the
+    /// layout keeps its last value until the process restarts.
+    pub fn redis_node(&self, node: &str, up: bool) {
+        let label = NodeLabel { node: node.to_owned() };
+        self.inner.redis_node_up.get_or_create(&label).set(i64::from(up));
+        if !up {
+            self.inner.redis_node_check_failures.get_or_create(&label).inc();
+        }
+    }
+
+    /// Drops a node's series once it is no longer a primary (failed over, or moved out).
+    pub fn forget_redis_node(&self, node: &str) {
+        let label = NodeLabel { node: node.to_owned() };
+        self.inner.redis_node_up.remove(&label);
     }
 
     pub fn redis_error(&self, op: &'static str, kind: &'static str) {

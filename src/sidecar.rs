@@ -205,6 +205,7 @@ pub async fn start(args: ProxyArgs) -> Result<Running, StartError> {
     } = assemble(&args)?;
     if let Some(conn) = &redis {
         check_redis(conn).await?;
+        check_key_layout(conn, &args.key_prefix).await?;
     }
     let listener = TcpListener::bind(args.listen)
         .await
@@ -309,6 +310,22 @@ async fn check_redis(conn: &RedisConn) -> Result<(), StartError> {
         }
     }
 }
+
+/// Refuses to start beside keys of the older key layout (see [`crate::key_layout`]); a Redis
+/// that does not answer within a few seconds is left to `/status` to report.
+async fn check_key_layout(conn: &RedisConn, prefix: &str) -> Result<(), StartError> {
+    let check = crate::key_layout::check(conn, prefix, conn.display());
+    match tokio::time::timeout(KEY_LAYOUT_CHECK, check).await {
+        Ok(result) => result.map_err(StartError::Backend),
+        Err(_) => {
+            tracing::warn!("no answer while looking for keys of the older key layout: not checked");
+            Ok(())
+        }
+    }
+}
+
+/// How long the startup check for old-layout keys may take.
+const KEY_LAYOUT_CHECK: Duration = Duration::from_secs(5);
 
 /// A Redis URL that does not parse is bad configuration; any other failure to set the
 /// connection up is the backend's.

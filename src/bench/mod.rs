@@ -15,11 +15,13 @@ mod histograms;
 mod load;
 mod phases;
 mod procs;
+mod redis_cluster;
 mod redis_tls;
 mod wrk;
 
 pub use self::load::Stats;
 pub use self::procs::Machine;
+pub use self::redis_cluster::ClusterRow;
 pub use self::redis_tls::TlsRow;
 pub use self::wrk::WrkRun;
 
@@ -51,14 +53,14 @@ pub struct BenchArgs {
     /// The nginx binary run as a pass-through peer (skipped, saying so, when not installed).
     #[arg(long, default_value = "nginx")]
     pub nginx: String,
-    /// Run only these phases (comma-separated: resources, pass, write, hot, redis-tls); all by
-    /// default.
+    /// Run only these phases (comma-separated: resources, pass, write, hot, redis-tls,
+    /// cluster); all by default.
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
 }
 
 /// The phases a run can be limited to with `--only`.
-const PHASES: [&str; 5] = ["resources", "pass", "write", "hot", "redis-tls"];
+const PHASES: [&str; 6] = ["resources", "pass", "write", "hot", "redis-tls", "cluster"];
 
 #[derive(Debug, thiserror::Error)]
 pub enum BenchError {
@@ -84,6 +86,8 @@ pub struct Report {
     pub targets: Vec<Target>,
     /// Uncontended appends with Redis over TLS and over plaintext (phase `redis-tls`).
     pub redis_tls: Vec<TlsRow>,
+    /// Uncontended appends over one Redis and over a three-primary cluster (phase `cluster`).
+    pub redis_cluster: Vec<ClusterRow>,
 }
 
 /// GET of one document, straight to the store and through a proxy.
@@ -251,6 +255,18 @@ pub async fn run(args: BenchArgs) -> Result<Report, BenchError> {
         true => redis_tls::measure(&exe, &args.redis_server, &plan).await?,
         false => Vec::new(),
     };
+    let redis_cluster = match wanted("cluster") {
+        true => match redis_cluster::measure(&exe, &args.redis_server, &plan).await {
+            // Without redis-cli (Debian's redis-tools) the cluster cannot be formed: the
+            // phase is skipped, saying so, like the other optional tools' figures.
+            Err(BenchError::Missing(what)) if !args.only.iter().any(|p| p == "cluster") => {
+                eprintln!("(no cluster rows: {what}; `apt-get install -y redis-tools`)");
+                Vec::new()
+            }
+            other => other?,
+        },
+        false => Vec::new(),
+    };
     let mut report = Report {
         machine: procs::machine(),
         quick: args.quick,
@@ -261,6 +277,7 @@ pub async fn run(args: BenchArgs) -> Result<Report, BenchError> {
         resources,
         targets: Vec::new(),
         redis_tls,
+        redis_cluster,
     };
     report.targets = targets(&report);
     let json = serde_json::to_vec_pretty(&report).map_err(|e| BenchError::Failed(e.to_string()))?;
@@ -534,6 +551,7 @@ pub fn table(r: &Report) -> String {
         );
     }
     s.push_str(&redis_tls::table(&r.redis_tls));
+    s.push_str(&redis_cluster::table(&r.redis_cluster));
     let _ = writeln!(s, "\nTargets");
     for t in &r.targets {
         let _ = writeln!(

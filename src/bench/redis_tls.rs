@@ -28,7 +28,7 @@ pub struct TlsRow {
 }
 
 /// A directory removed when dropped.
-struct Scratch(PathBuf);
+pub(super) struct Scratch(pub(super) PathBuf);
 
 impl Drop for Scratch {
     fn drop(&mut self) {
@@ -112,7 +112,12 @@ pub async fn measure(exe: &Path, redis_server: &str, plan: &Plan) -> Result<Vec<
 }
 
 /// A proxy with `redis` (the URL, then any flags).
-async fn proxy(exe: &Path, name: &str, store: std::net::SocketAddr, redis: &[String]) -> Result<Child, BenchError> {
+pub(super) async fn proxy(
+    exe: &Path,
+    name: &str,
+    store: std::net::SocketAddr,
+    redis: &[String],
+) -> Result<Child, BenchError> {
     let (addr, admin) = (procs::free_addr()?, procs::free_addr()?);
     let mut args: Vec<String> = vec![
         "proxy".into(),
@@ -130,7 +135,7 @@ async fn proxy(exe: &Path, name: &str, store: std::net::SocketAddr, redis: &[Str
     Ok(child)
 }
 
-async fn appends(phase: Phase, http: &Http, proxy: &Child, tag: &str) -> Stats {
+pub(super) async fn appends(phase: Phase, http: &Http, proxy: &Child, tag: &str) -> Stats {
     let (http, url, tag) = (http.clone(), format!("http://{}", proxy.addr), tag.to_owned());
     closed_loop(phase, move |w, seq, _end| {
         let (http, url, tag) = (http.clone(), url.clone(), tag.clone());

@@ -270,6 +270,32 @@ impl Locks {
         }
     }
 
+    /// Gives a commit slot back in the background after its release failed on a Redis
+    /// Cluster (the shard failing over): the slot reached the replica, and the document's
+    /// next write would otherwise wait until it lapses (the store timeout + a lease). Tried
+    /// until it lapses by itself; safe to run late: the slot goes only while it still holds
+    /// this grant's token, and a turn mark only rises. A deletion's release is not retried (a
+    /// late one could clear the mark of a document written again meanwhile).
+    pub fn release_slot_later(&self, lease: &Lease, scope: &Scope, settled: Settled) {
+        let Locks::Redis(r) = self else { return };
+        if matches!(settled, Settled::Deleted) || !r.conn().is_cluster() {
+            return;
+        }
+        let (r, token, scope) = (r.clone(), lease.token.clone(), scope.clone());
+        let until = Instant::now() + r.settings.slot_ttl;
+        tokio::spawn(async move {
+            let mut pause = Duration::from_millis(100);
+            while Instant::now() + pause < until {
+                tokio::time::sleep(pause).await;
+                if r.release_slot(&token, &scope, settled).await.is_ok() {
+                    tracing::info!(slot = %scope.slot(), "commit slot given back after a retry");
+                    return;
+                }
+                pause = (pause * 2).min(Duration::from_millis(400));
+            }
+        });
+    }
+
     /// Raises a document's turn mark for a serialized write whose outcome is unknown (it may
     /// have landed), leaving its commit slot to expire by itself: a write of an older turn is
     /// then refused as stale rather than stored after one that may be there.
@@ -290,6 +316,33 @@ impl Locks {
         match self {
             Locks::Memory(_) => false,
             Locks::Redis(r) => r.conn().stalled_for() >= limit,
+        }
+    }
+
+    /// Whether a lock backend error is worth waiting out within a write's deadline: on a
+    /// Redis Cluster, a shard failing over has a new primary within seconds, and the other
+    /// shards keep working. (A single Redis that fails is answered at once.)
+    pub fn waits_out_failovers(&self) -> bool {
+        match self {
+            Locks::Memory(_) => false,
+            Locks::Redis(r) => r.conn().is_cluster(),
+        }
+    }
+
+    /// On a Redis Cluster, each primary checked on its own (see
+    /// [`crate::redis_conn::RedisConn::cluster_health`]); `None` on any other backend.
+    pub async fn cluster_health(
+        &self,
+        timeout: std::time::Duration,
+    ) -> Option<Result<crate::redis_conn::ClusterHealth, LockError>> {
+        match self {
+            Locks::Redis(r) if r.conn().is_cluster() => Some(
+                r.conn()
+                    .cluster_health(timeout)
+                    .await
+                    .map_err(|e| LockError::Backend(e.to_string())),
+            ),
+            _ => None,
         }
     }
 
@@ -434,13 +487,23 @@ impl Lease {
 
     /// Gives the lock back; returns whether it was still held by this writer.
     pub async fn release(self, metrics: &Metrics) -> bool {
-        self.release_with(metrics, Vec::new()).await
+        self.release_carrying(metrics, Vec::new()).await.0
     }
 
     /// Stores `records` (what was committed under the lock) and gives the lock back, in one
-    /// round trip. Only for a backend that [`Locks::carries_records`]; returns whether the
-    /// lock was still held by this writer.
-    pub async fn release_with(mut self, metrics: &Metrics, records: Vec<Entry>) -> bool {
+    /// round trip. Only for a backend that [`Locks::carries_records`]. When the round trip
+    /// fails the records come back, to be stored again later (each is safe to store twice: a
+    /// compare-and-set on its claim, or a snapshot keyed by its version).
+    pub async fn release_with(self, metrics: &Metrics, records: Vec<Entry>) -> Result<(), Vec<Entry>> {
+        match self.release_carrying(metrics, records).await {
+            (_, None) => Ok(()),
+            (_, Some(unsaved)) => Err(unsaved),
+        }
+    }
+
+    /// Releases with `records`; returns whether the lock was still held, and the records when
+    /// the round trip failed (none of them is known to be stored).
+    async fn release_carrying(mut self, metrics: &Metrics, records: Vec<Entry>) -> (bool, Option<Vec<Entry>>) {
         self.released = true;
         if let Some(r) = self.renewal.take() {
             r.abort();
@@ -450,16 +513,16 @@ impl Lease {
         if result.is_err() && !records.is_empty() {
             tracing::warn!(
                 key = %self.key,
-                "idempotency records and version snapshot not stored; retries may apply again"
+                "idempotency records and version snapshot not stored with the release; stored again once Redis answers"
             );
         }
         self.locks.held().remove(&self.key);
         match result {
-            Ok(held) => held,
+            Ok(held) => (held, None),
             Err(error) => {
                 self.locks.release_failed();
                 tracing::warn!(key = %self.key, %error, "lock release failed; it expires with its lease");
-                false
+                (false, (!records.is_empty()).then_some(records))
             }
         }
     }

@@ -344,6 +344,23 @@ impl Drop for WatchGuard {
     }
 }
 
+/// How long a pub/sub loop waits before connecting again after a failure.
+const RECONNECT_PAUSE: Duration = Duration::from_millis(500);
+
+/// The pause of a pub/sub loop whose connection failed: subscription requests are drained
+/// meanwhile (the watchers map is the source of truth, subscribed in full on reconnect).
+/// `Break` when the lock backend is gone (the request channel closed): the loop ends.
+async fn pause_draining(rx: &mut mpsc::UnboundedReceiver<Subscription>) -> std::ops::ControlFlow<()> {
+    let pause = tokio::time::sleep(RECONNECT_PAUSE);
+    tokio::pin!(pause);
+    loop {
+        tokio::select! {
+            _ = &mut pause => return std::ops::ControlFlow::Continue(()),
+            msg = rx.recv() => if msg.is_none() { return std::ops::ControlFlow::Break(()) },
+        }
+    }
+}
+
 /// Owns the pub/sub connection: applies subscription changes and wakes watchers on each
 /// release. When Redis is unreachable it retries with a pause; waiters meanwhile fall back to
 /// polling, so a lost connection only costs latency, never correctness.
@@ -358,15 +375,8 @@ async fn pubsub_loop(
             Ok(p) => p.split(),
             Err(error) => {
                 tracing::debug!(%error, "lock release channel unavailable; waiters poll");
-                // Drain requests meanwhile: the watchers map is the source of truth and is
-                // resubscribed in full on reconnect.
-                let pause = tokio::time::sleep(Duration::from_millis(500));
-                tokio::pin!(pause);
-                loop {
-                    tokio::select! {
-                        _ = &mut pause => break,
-                        msg = rx.recv() => if msg.is_none() { return },
-                    }
+                if pause_draining(&mut rx).await.is_break() {
+                    return;
                 }
                 continue;
             }
@@ -413,13 +423,8 @@ async fn sharded_pubsub_loop(
             Ok(p) => p,
             Err(error) => {
                 tracing::debug!(%error, "lock release channels unavailable; waiters poll");
-                let pause = tokio::time::sleep(Duration::from_millis(500));
-                tokio::pin!(pause);
-                loop {
-                    tokio::select! {
-                        _ = &mut pause => break,
-                        msg = rx.recv() => if msg.is_none() { return },
-                    }
+                if pause_draining(&mut rx).await.is_break() {
+                    return;
                 }
                 continue;
             }

@@ -639,3 +639,371 @@ async fn a_cluster_over_tls_is_written_on_every_shard() {
         }
     }
 }
+
+/// What one write of [`retrying_writers`] met: every answer that was not an acceptance (when,
+/// after the start, and its status and code), and when it was accepted.
+#[derive(Debug, Default)]
+struct Retried {
+    session: String,
+    token: String,
+    first_try: Duration,
+    accepted: Option<Duration>,
+    refusals: Vec<(Duration, u16, String)>,
+}
+
+/// Writers as an agent retries: each writer appends to one session (turn 1), with the message
+/// id as its `Idempotency-Key`, and sends the same write again 100 ms after any answer but an
+/// acceptance, for up to `give_up`. New writes start until `run` has passed.
+async fn retrying_writers(
+    clients: Vec<turnlock::client::JsonClient>,
+    sessions: Vec<String>,
+    writers: usize,
+    run: Duration,
+    give_up: Duration,
+    started: Instant,
+) -> Vec<Retried> {
+    let tasks: Vec<_> = (0..writers)
+        .map(|w| {
+            let clients = clients.clone();
+            let session = sessions[w % sessions.len()].clone();
+            tokio::spawn(async move {
+                let mut out = Vec::new();
+                let mut n = 0;
+                while started.elapsed() < run {
+                    n += 1;
+                    let token = format!("{session}-w{w}-{n}");
+                    let mut r = Retried {
+                        session: session.clone(),
+                        token: token.clone(),
+                        first_try: started.elapsed(),
+                        ..Retried::default()
+                    };
+                    let key = [("idempotency-key", token.clone())];
+                    let mut tries = 0usize;
+                    loop {
+                        tries += 1;
+                        let client = &clients[(w + tries) % clients.len()];
+                        let reply = try_append(client, &session, 1, &token, true, &key).await;
+                        match reply {
+                            Ok(reply) if reply.status.is_success() => {
+                                r.accepted = Some(started.elapsed());
+                                break;
+                            }
+                            Ok(reply) => r.refusals.push((
+                                started.elapsed(),
+                                reply.status.as_u16(),
+                                reply.json["error"].as_str().unwrap_or("").to_owned(),
+                            )),
+                            Err(e) => r.refusals.push((started.elapsed(), 0, e)),
+                        }
+                        if started.elapsed() - r.first_try > give_up {
+                            break;
+                        }
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                    out.push(r);
+                }
+                out
+            })
+        })
+        .collect();
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await.expect("writer"));
+    }
+    all
+}
+
+/// Every accepted write is in its session's document exactly once, and nothing else is.
+async fn assert_written_once(store: std::net::SocketAddr, sessions: &[String], writes: &[Retried]) {
+    let ledger = Ledger::default();
+    for w in writes.iter().filter(|w| w.accepted.is_some()) {
+        ledger.ack(&w.session, &w.token, 1, &serde_json::Value::Null);
+    }
+    for w in writes.iter().filter(|w| w.accepted.is_none()) {
+        ledger.unknown(&w.session, &w.token);
+    }
+    let counts = check(store, sessions, &[&ledger]).await;
+    assert!(
+        counts.lost == 0 && counts.duplicated == 0 && counts.unexplained == 0,
+        "{counts:?}"
+    );
+}
+
+/// A primary SIGKILLed under writes that agents retry with their `Idempotency-Key`: a write
+/// answered with an error that means "nothing applied" goes through on a retry once its shard
+/// has a primary again (its claim on the key is dropped once Redis takes the drop, not left
+/// `request_in_progress` for the claim's whole lifetime), and nothing is applied twice. With
+/// Redis's default `cluster-require-full-coverage yes`, every shard refuses commands while
+/// the dead one has no primary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_write_refused_during_a_failover_goes_through_when_retried() {
+    let mut cluster = Cluster::start();
+    let store = store().await;
+    let proxies = cluster_proxies(&cluster, store.addr, 3).await;
+    let (sessions, owner) = sessions_on_every_shard(&cluster, "retried", 2);
+    let victim = owner[&sessions[0]];
+    let clients: Vec<_> = proxies.iter().map(|p| client(p.addr)).collect();
+    let started = Instant::now();
+    let run = tokio::spawn(retrying_writers(
+        clients,
+        sessions.clone(),
+        12,
+        Duration::from_secs(12),
+        Duration::from_secs(25),
+        started,
+    ));
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    cluster.node(victim).kill();
+    let killed = started.elapsed();
+    let writes = run.await.expect("writers");
+
+    let refused = writes.iter().filter(|w| !w.refusals.is_empty()).count();
+    let slowest = writes
+        .iter()
+        .filter_map(|w| w.accepted.map(|a| a - w.first_try))
+        .max()
+        .unwrap_or_default();
+    let codes: BTreeMap<String, usize> =
+        writes
+            .iter()
+            .flat_map(|w| &w.refusals)
+            .fold(BTreeMap::new(), |mut m, (_, status, code)| {
+                *m.entry(format!("{status} {code}")).or_default() += 1;
+                m
+            });
+    eprintln!(
+        "CLUSTER-RETRIED killed at {killed:?}: {} writes, {refused} met a refusal, slowest accepted {slowest:?} after its first try, refusals {codes:?}",
+        writes.len()
+    );
+    let stuck: Vec<_> = writes.iter().filter(|w| w.accepted.is_none()).collect();
+    assert!(stuck.is_empty(), "writes never accepted on retry: {stuck:?}");
+    assert!(
+        slowest < Duration::from_secs(15),
+        "a retried write waited {slowest:?} to be accepted"
+    );
+    assert_written_once(store.addr, &sessions, &writes).await;
+}
+
+/// With `cluster-require-full-coverage no` (what the README asks for), a primary SIGKILLed
+/// stops no session of the other shards: they see no error at all; and the dead shard's
+/// writes wait for its replica's promotion within their wait deadline instead of bouncing,
+/// and no longer than the promotion.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_failover_leaves_the_other_shards_untouched() {
+    let mut cluster = Cluster::start_with(|_| vec!["--cluster-require-full-coverage".into(), "no".into()]);
+    let store = store().await;
+    // A store that takes 200 ms per write-back: each session's commit slot is held most of
+    // the time, so the killed primary has granted one that reached its replica.
+    let slow = front_store(store.addr, PutDelay::Every(Duration::from_millis(200))).await;
+    let mut proxies = Vec::new();
+    for _ in 0..3 {
+        let mut args = proxy_args(slow, None);
+        args.redis = Some(cluster.url());
+        args.wait_deadline_ms = 8000;
+        proxies.push(proxy(args).await);
+    }
+    let (sessions, owner) = sessions_on_every_shard(&cluster, "healthy", 2);
+    let victim = owner[&sessions[0]];
+    let clients: Vec<_> = proxies.iter().map(|p| client(p.addr)).collect();
+    let started = Instant::now();
+    let run = tokio::spawn(retrying_writers(
+        clients,
+        sessions.clone(),
+        12,
+        Duration::from_secs(10),
+        Duration::from_secs(25),
+        started,
+    ));
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    cluster.node(victim).kill();
+    let killed = started.elapsed();
+    let writes = run.await.expect("writers");
+
+    let owner = &owner;
+    let on = |dead: bool| {
+        writes
+            .iter()
+            .filter(move |w| (owner[&w.session] == victim) == dead)
+            .flat_map(|w| w.refusals.iter().map(move |r| (w.session.clone(), r.clone())))
+            .collect::<Vec<_>>()
+    };
+    let (healthy, dead) = (on(false), on(true));
+    let paused = writes
+        .iter()
+        .filter(|w| owner[&w.session] == victim)
+        .filter_map(|w| w.accepted.map(|a| a - w.first_try))
+        .max()
+        .unwrap_or_default();
+    eprintln!(
+        "CLUSTER-HEALTHY killed at {killed:?}: healthy shards {} refusals, dead shard {} refusals, its longest write {paused:?}",
+        healthy.len(),
+        dead.len()
+    );
+    assert!(
+        healthy.is_empty(),
+        "the healthy shards' sessions were refused: {healthy:?}"
+    );
+    assert!(
+        dead.is_empty(),
+        "the dead shard's writes bounced within their deadline: {dead:?}"
+    );
+    assert!(writes.iter().all(|w| w.accepted.is_some()), "writes never accepted");
+    // The promotion takes about 2 s. A commit slot the killed primary granted reached its
+    // replica: given back once the new primary answers, not left to lapse (the store timeout
+    // + a lease, 7 s here).
+    assert!(
+        paused < Duration::from_secs(5),
+        "the dead shard's writes waited {paused:?}"
+    );
+    assert_written_once(store.addr, &sessions, &writes).await;
+}
+
+/// `/status` of an admin address, as JSON.
+async fn status_of(admin: std::net::SocketAddr) -> serde_json::Value {
+    client(admin)
+        .send(http::Method::GET, "/status", None, &[])
+        .await
+        .map(|r| r.json)
+        .unwrap_or_default()
+}
+
+/// The health check is cluster-aware: with a primary and its replica SIGKILLed (its slots
+/// served by no one, `cluster_state:fail`), `/status` and `turnlock_dependency_up` say Redis
+/// is down and name the node (`turnlock_redis_node_up{node}` = 0), while the pod stays
+/// ready (a Redis outage is not the sidecar's fault). Before, a `PING` routed to any node
+/// kept saying Redis was up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_dead_shard_is_reported_by_node_and_leaves_the_pod_ready() {
+    let mut cluster = Cluster::start();
+    let store = store().await;
+    let proxies = cluster_proxies(&cluster, store.addr, 1).await;
+    let admin = proxies[0].admin;
+    let primaries: Vec<u16> = cluster.owners().iter().map(|o| o.2).collect();
+    let healthy = eventually(Duration::from_secs(10), Duration::from_millis(100), || async {
+        let s = status_of(admin).await;
+        s["dependencies"]["redis"]["up"] == serde_json::json!(true)
+            && s["dependencies"]["redis"]["nodes"]
+                .as_array()
+                .is_some_and(|n| n.len() == 3)
+    })
+    .await;
+    assert!(
+        healthy.is_some(),
+        "the cluster never reported up: {}",
+        status_of(admin).await
+    );
+    let text = metrics(admin).await;
+    for port in &primaries {
+        let sample = format!("turnlock_redis_node_up{{node=\"127.0.0.1:{port}\"}}");
+        assert_eq!(metric(&text, &sample), 1.0, "{sample} in\n{text}");
+    }
+
+    let victim = primaries[0];
+    let replica = replica_of(&cluster, victim);
+    cluster.node(replica).kill();
+    cluster.node(victim).kill();
+    let killed = Instant::now();
+    let reported = eventually(Duration::from_secs(15), Duration::from_millis(100), || async {
+        dependency_up(admin, "redis").await == Some(false)
+    })
+    .await;
+    let status = status_of(admin).await;
+    assert!(
+        reported.is_some(),
+        "Redis still reported up {:?} after a shard died: {status}",
+        killed.elapsed()
+    );
+    eprintln!("CLUSTER-HEALTH a dead shard reported down after {reported:?}: {status}");
+    let dead = format!("127.0.0.1:{victim}");
+    let nodes = status["dependencies"]["redis"]["nodes"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    let node = nodes.iter().find(|n| n["node"] == serde_json::json!(dead));
+    assert!(
+        node.is_some_and(|n| n["up"] == serde_json::json!(false)),
+        "the dead primary {dead} is not named down: {status}"
+    );
+    let error = status["dependencies"]["redis"]["error"].as_str().unwrap_or("");
+    assert!(error.contains(&dead), "the error does not name {dead}: {error}");
+    let text = metrics(admin).await;
+    assert_eq!(
+        metric(&text, "turnlock_dependency_up{dependency=\"redis\"}"),
+        0.0,
+        "{text}"
+    );
+    let sample = format!("turnlock_redis_node_up{{node=\"{dead}\"}}");
+    assert!(text.contains(&format!("{sample} 0")), "{sample} is not 0 in\n{text}");
+    assert_eq!(readyz(admin).await, 200, "a dead shard made the pod NotReady");
+}
+
+/// A Redis holding keys of the older key layout (before hash tags): a proxy refuses to start
+/// and names `turnlock migrate-keys`; that command refuses while an old proxy holds a lock,
+/// then carries the fencing counter over (a token at least the old counter's next) and
+/// removes the old keys; the proxy then starts and its first grant is above the old counter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_older_key_layout_stops_the_start_until_migrated() {
+    let redis = RedisServer::start();
+    let store = store().await;
+    let client = redis::Client::open(redis.url()).expect("client");
+    let mut c = client
+        .get_connection_with_timeout(Duration::from_secs(2))
+        .expect("connect");
+    // Above any clock-based token (2^52 µs is the year 2112): only a carried-over counter
+    // makes the next token larger.
+    let old_counter: u64 = 1 << 52;
+    let set = |c: &mut redis::Connection, args: &[&str]| {
+        let mut cmd = redis::cmd(args[0]);
+        for a in &args[1..] {
+            cmd.arg(*a);
+        }
+        cmd.query::<()>(c).expect("redis command");
+    };
+    set(&mut c, &["SET", "turnlock:fence:old-1", &old_counter.to_string()]);
+    set(&mut c, &["SET", "turnlock:idem:old-1:abc", "{}"]);
+    set(&mut c, &["SET", "turnlock:session:old-1:1", "token", "PX", "1500"]);
+
+    let refused = turnlock::sidecar::start(proxy_args(store.addr, Some(&redis))).await;
+    let Err(e) = refused else {
+        panic!("a proxy started beside keys of the older layout");
+    };
+    let text = e.to_string();
+    assert!(
+        text.contains("migrate-keys") && text.contains("turnlock:fence:old-1"),
+        "{text}"
+    );
+
+    let migrate = || {
+        Command::new(turnlock_bin())
+            .args(["migrate-keys", "--redis", &redis.url()])
+            .output()
+            .expect("turnlock migrate-keys")
+    };
+    let busy = migrate();
+    assert!(!busy.status.success(), "migrated while an old proxy held a lock");
+    assert!(
+        String::from_utf8_lossy(&busy.stderr).contains("holds locks"),
+        "{}",
+        String::from_utf8_lossy(&busy.stderr)
+    );
+    tokio::time::sleep(Duration::from_millis(1700)).await;
+    let done = migrate();
+    let out = String::from_utf8_lossy(&done.stdout);
+    assert!(done.status.success(), "{out} {}", String::from_utf8_lossy(&done.stderr));
+    assert!(out.contains("1 fencing counters carried over, 2 keys"), "{out}");
+    let left: Vec<String> = redis::cmd("KEYS").arg("turnlock:*").query(&mut c).expect("KEYS");
+    assert_eq!(left, vec!["turnlock:session:{old-1}:fence".to_owned()], "{left:?}");
+
+    let p = proxy(proxy_args(store.addr, Some(&redis))).await;
+    let r = append(&crate::support::client(p.addr), "old-1", 1, "after-upgrade").await;
+    assert!(r.status.is_success(), "{:?}", r.json);
+    let token: u64 = redis::cmd("GET")
+        .arg("turnlock:session:{old-1}:fence")
+        .query(&mut c)
+        .expect("GET fence");
+    assert!(
+        token > old_counter,
+        "token {token} not above the old counter {old_counter}"
+    );
+}

@@ -45,6 +45,7 @@ pub const NARROW_ACL: &[&str] = &[
     "+eval",
     "+script|load",
     "+wait",
+    "+scan",
 ];
 
 fn tls_args(upstream: std::net::SocketAddr, redis: &TlsRedis, ca: &TestCa) -> ProxyArgs {

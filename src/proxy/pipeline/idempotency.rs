@@ -2,7 +2,10 @@
 //! key before it runs (or is answered from the key's record), and its final answer is stored
 //! with the lock's release.
 
+use std::sync::Arc;
 use std::time::Duration;
+
+use tokio::time::Instant;
 
 use bytes::Bytes;
 use http::header::HeaderValue;
@@ -13,28 +16,87 @@ use crate::proxy::answer::{Answer, Record};
 use crate::proxy::error::WriteError;
 use crate::redis_conn::Entry;
 
-impl Pipeline {
+/// The first pause before entries that could not be stored are tried again; it doubles up to
+/// [`SETTLE_PAUSE_MAX`].
+const SETTLE_PAUSE: Duration = Duration::from_millis(100);
+const SETTLE_PAUSE_MAX: Duration = Duration::from_millis(400);
+
+impl Shared {
     /// How long a claim lives: as long as its write can still run (the wait for the lock,
     /// every store round trip of every attempt, the lease's slack), plus a margin.
     pub(super) fn claim_ttl(&self) -> Duration {
-        let s = &self.shared;
+        let s = self;
         let round_trips = 2 * (MAX_ATTEMPTS + 1);
         s.locks.settings().lease * 2
             + s.settings.wait
             + s.settings.upstream_timeout * round_trips
             + Duration::from_secs(10)
     }
+}
 
+/// Stores `entries` now; what fails (Redis failing over, a connection cut) is stored again in
+/// the background until Redis takes it or the claims it settles have expired by themselves.
+/// Without this a claim whose write was answered with "nothing applied" would keep the key
+/// `request_in_progress` for the claim's whole lifetime, and a final answer would not be
+/// replayed. Each entry is safe to store twice: a compare-and-set on its claim (a record
+/// stored meanwhile stays), or a snapshot keyed by its version.
+pub(super) async fn settle(s: &Arc<Shared>, entries: Vec<Entry>) {
+    if entries.is_empty() {
+        return;
+    }
+    let Err(error) = s.records.put_entries(entries.clone()).await else {
+        return;
+    };
+    settle_later(s, entries, error.to_string());
+}
+
+/// Stores `entries` in the background, as [`settle`] does after its first try failed.
+pub(super) fn settle_later(s: &Arc<Shared>, entries: Vec<Entry>, error: String) {
+    let until = Instant::now() + s.claim_ttl();
+    let shared = s.clone();
+    tracing::warn!(%error, entries = entries.len(), "idempotency records not stored: trying again in the background");
+    // Not tracked: a drain does not wait for it (the claims expire by themselves).
+    tokio::spawn(async move {
+        let mut pause = SETTLE_PAUSE;
+        while Instant::now() + pause < until {
+            tokio::time::sleep(pause).await;
+            match shared.records.put_entries(entries.clone()).await {
+                Ok(()) => {
+                    tracing::info!(entries = entries.len(), "idempotency records stored after a retry");
+                    return;
+                }
+                Err(e) => tracing::debug!(error = %e, "idempotency records still not stored"),
+            }
+            pause = (pause * 2).min(SETTLE_PAUSE_MAX);
+        }
+        tracing::warn!(
+            entries = entries.len(),
+            "idempotency records never stored; their claims expire by themselves"
+        );
+    });
+}
+
+impl Pipeline {
     /// Claims an idempotency key (returning the claim stored), or answers from its record.
-    pub(super) async fn claim(&self, key: &str, fingerprint: &str) -> Claim {
+    ///
+    /// On a cluster whose shard fails over, the claim is tried again until `deadline`, as the
+    /// lock is: the shard has a new primary within seconds.
+    pub(super) async fn claim(&self, key: &str, fingerprint: &str, deadline: Instant) -> Claim {
         let s = &self.shared;
-        let claim_ttl = self.claim_ttl();
+        let claim_ttl = s.claim_ttl();
         // One round trip: the claim is stored, or the key's record comes back.
         let claim = Record::pending(fingerprint);
-        let bytes = match s.records.put_new_or_get(key, claim.clone(), claim_ttl).await {
-            Err(e) => return Claim::Answered(Answer::from(WriteError::LockUnavailable(e.to_string()))),
-            Ok(None) => return Claim::Held(claim),
-            Ok(Some(bytes)) => bytes,
+        let bytes = loop {
+            match s.records.put_new_or_get(key, claim.clone(), claim_ttl).await {
+                Err(_) if s.locks.waits_out_failovers() && Instant::now() + super::FAILOVER_PAUSE < deadline => {
+                    tokio::time::sleep(super::FAILOVER_PAUSE).await;
+                }
+                Err(e) => return Claim::Answered(Answer::from(WriteError::LockUnavailable(e.to_string()))),
+                Ok(None) => return Claim::Held(claim),
+                // A try whose answer was lost stored it: the claim is this request's own.
+                Ok(Some(bytes)) if bytes == claim => return Claim::Held(claim),
+                Ok(Some(bytes)) => break bytes,
+            }
         };
         let Some(record) = Record::parse(&bytes) else {
             return Claim::Answered(Answer::from(WriteError::RecordUnreadable));

@@ -63,6 +63,9 @@ const MAX_ATTEMPTS: u32 = 4;
 /// that commit is in flight, and needs a store round trip to land.
 const REQUEUE_PAUSE: Duration = Duration::from_millis(2);
 
+/// The pause before a lock on a failing-over cluster shard is asked for again.
+const FAILOVER_PAUSE: Duration = Duration::from_millis(100);
+
 /// Documents whose message digests a proxy keeps (the hot ones: all are forgotten when more
 /// are written, and relearned at their next commit). Few: a cache holds every message of its
 /// document, so memory follows the documents' size times this number.
@@ -181,7 +184,7 @@ impl Pipeline {
             .map(|i| (s.keys.idempotency(&write.session, &i.key_digest), i.fingerprint.clone()));
         let mut claim = None;
         if let Some((key, fingerprint)) = &idem {
-            match self.claim(key, fingerprint).await {
+            match self.claim(key, fingerprint, deadline).await {
                 Claim::Held(value) => claim = Some((key.clone(), value)),
                 Claim::Answered(answer) => return answer,
             }
@@ -190,11 +193,8 @@ impl Pipeline {
         if let Some((key, value)) = &claim {
             if !answer.is_final() {
                 // Not recorded: let a retry apply it. Only this request's own claim is dropped
-                // (an answer recorded meanwhile stays).
-                let _ = s
-                    .records
-                    .compare_and_set(key, value, Bytes::new(), Duration::ZERO)
-                    .await;
+                // (an answer recorded meanwhile stays), once Redis takes it.
+                idempotency::settle(s, vec![drop_claim(key.clone(), value.clone())]).await;
             }
         }
         answer
@@ -434,15 +434,22 @@ async fn lead_queue<C: Committer>(s: Arc<Shared>, queue: Arc<Queue<C::Write>>, q
     // Whether the last round ended with a place still taken in that order.
     let mut placed = false;
     let mut dropped = Vec::new();
-    while let Some(deadline) =
-        queue.next_deadline(|waited| unanswered(&s.locks, s.settings.budget, waited), &mut dropped)
-    {
-        for (key, claim) in dropped.drain(..) {
-            let _ = s
-                .records
-                .compare_and_set(&key, &claim, Bytes::new(), Duration::ZERO)
-                .await;
-        }
+    // The last round met a lock backend error: a write past its deadline is told so.
+    let mut backend_failed = false;
+    while let Some(deadline) = queue.next_deadline(
+        |waited| {
+            if backend_failed {
+                Answer::from(WriteError::LockUnavailable(
+                    "the lock backend did not answer before the write's deadline".into(),
+                ))
+            } else {
+                unanswered(&s.locks, s.settings.budget, waited)
+            }
+        },
+        &mut dropped,
+    ) {
+        let drops: Vec<Entry> = dropped.drain(..).map(|(key, claim)| drop_claim(key, claim)).collect();
+        idempotency::settle(&s, drops).await;
         let gate = s.gates.entry(queue.session.clone()).or_default().clone();
         let Ok(_turn) = tokio::time::timeout_at(deadline, gate.lock_owned()).await else {
             continue;
@@ -456,6 +463,7 @@ async fn lead_queue<C: Committer>(s: Arc<Shared>, queue: Arc<Queue<C::Write>>, q
             .await
         {
             Err(LockError::Busy(_)) => {
+                backend_failed = false;
                 placed = true;
                 continue;
             }
@@ -464,11 +472,22 @@ async fn lead_queue<C: Committer>(s: Arc<Shared>, queue: Arc<Queue<C::Write>>, q
                 if let Some(suppressed) = crate::telemetry::warn_allowed("lock backend unavailable") {
                     tracing::warn!(lock = %queue.lock_key, error = %e, suppressed, "lock backend unavailable");
                 }
+                if s.locks.waits_out_failovers() {
+                    // A cluster: this session's shard is failing over (its primary gone, the
+                    // slot moving, the cluster briefly down). Its writes wait for the new
+                    // primary within their own deadline instead of bouncing; one past its
+                    // deadline is answered `lock_unavailable`.
+                    backend_failed = true;
+                    drop(_turn);
+                    tokio::time::sleep_until(deadline.min(Instant::now() + FAILOVER_PAUSE)).await;
+                    continue;
+                }
                 queue.fail_all(&Answer::from(WriteError::LockUnavailable(format!(
                     "the lock backend is unavailable: {e}"
                 ))));
             }
             Ok(lease) => {
+                backend_failed = false;
                 // A grant takes the waiter out of the order.
                 placed = false;
                 let batch = queue.take(s.settings.max_batch);
@@ -500,11 +519,11 @@ async fn lead_queue<C: Committer>(s: Arc<Shared>, queue: Arc<Queue<C::Write>>, q
                 span.in_scope(|| tracing::debug!(ok, "batch committed"));
                 // The records go before the lock: with Redis, in the release's own round trip.
                 if s.locks.carries_records() {
-                    lease.release_with(&s.metrics, records).await;
-                } else {
-                    if let Err(e) = s.records.put_entries(records).await {
-                        tracing::warn!(error = %e, "idempotency records and version snapshot not stored");
+                    if let Err(unsaved) = lease.release_with(&s.metrics, records).await {
+                        idempotency::settle_later(&s, unsaved, "the lock release failed".into());
                     }
+                } else {
+                    idempotency::settle(&s, records).await;
                     lease.release(&s.metrics).await;
                 }
                 let mut retry = Vec::new();
@@ -565,4 +584,14 @@ async fn commit<C: Committer>(
 /// for such a write: it is queued again, to be re-read and re-merged under a later grant.
 fn conflicted(a: &Answer) -> bool {
     a.status == http::StatusCode::SERVICE_UNAVAILABLE && a.code() == "write_conflict"
+}
+
+/// The entry that drops a claim, only while it still holds the claim's own value.
+fn drop_claim(key: String, claim: Bytes) -> Entry {
+    Entry {
+        key,
+        value: Bytes::new(),
+        ttl: Duration::ZERO,
+        expect: Some(claim),
+    }
 }

@@ -60,6 +60,9 @@ impl SlotHold {
                     tokio::time::sleep(pause.min(remaining).min(give_up - now)).await;
                     pause = (pause * 2).min(Duration::from_millis(20));
                 }
+                // Nothing was written: on a cluster failing over, the write is queued again
+                // (as after another turn's commit) to wait for the new primary.
+                Err(_) if s.locks.waits_out_failovers() => return Err(Answer::from(WriteError::CommitInFlight)),
                 Err(e) => return Err(Answer::from(WriteError::LockUnavailable(e.to_string()))),
             }
         }
@@ -77,11 +80,14 @@ impl SlotHold {
                 slot = %self.scope.slot(),
                 "the write-back outlived its commit slot: a write of another turn may have been ordered before it landed"
             ),
-            Err(error) => tracing::warn!(
-                slot = %self.scope.slot(),
-                %error,
-                "commit slot not given back; the document's next write waits until it expires"
-            ),
+            Err(error) => {
+                tracing::warn!(
+                    slot = %self.scope.slot(),
+                    %error,
+                    "commit slot not given back; the document's next write waits until it expires"
+                );
+                s.locks.release_slot_later(lease, &self.scope, settled);
+            }
         }
     }
 }

@@ -5,6 +5,16 @@
 //! TLS (`rediss://`, `rediss+sentinel://`) each connection to the server is made with the
 //! files of [`crate::redis_tls`], re-read when they change; a password file is re-read for
 //! each new connection, so a rotated Secret is used without a restart.
+//!
+//! The module by concern: `single` (one server or the primary Sentinel names, plaintext or
+//! TLS, pub/sub), `sentinel`, `cluster` (the cluster client, `WAIT` on a session's primary,
+//! sharded pub/sub, the per-node health check), `progress` (the stall detector), `resend`.
+//!
+//! Why not redis-rs's `ConnectionManager`: it reconnects to one fixed address with one fixed
+//! `ConnectionInfo`. This connection asks Sentinel which server is the primary at each
+//! reconnection, opens TLS with files re-read when they change, reads a rotated password
+//! file for each new connection, and tells the stall detector and the error counts what each
+//! command met. A cluster uses redis-rs's cluster client, which reconnects to each node itself.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -21,6 +31,18 @@ use tokio::sync::Mutex;
 
 use crate::redis_tls::{ConnectError, Tls, TlsFiles};
 use crate::redis_url::{ClusterSpec, SentinelSpec, Target};
+
+mod cluster;
+mod progress;
+mod resend;
+mod scan;
+mod sentinel;
+mod single;
+
+use self::cluster::build_cluster;
+pub use self::cluster::{ClusterHealth, NodeHealth};
+use self::progress::Progress;
+use self::sentinel::build_sentinel;
 
 /// How long one command may take before the connection is treated as broken.
 pub const DEFAULT_RESPONSE_TIMEOUT: Duration = Duration::from_millis(500);
@@ -89,25 +111,6 @@ struct Inner {
     metrics: std::sync::OnceLock<crate::metrics::Metrics>,
 }
 
-/// Notices a Redis that stopped answering without waiting for each command's timeout: while
-/// commands are outstanding, how long since the last one was sent to an idle, answering
-/// connection or answered. A command that timed out or lost its connection is no answer: the
-/// silence it began goes on with the next command.
-struct Progress {
-    base: std::time::Instant,
-    in_flight: AtomicUsize,
-    since_us: AtomicU64,
-    /// The last command ended without an answer from Redis.
-    silent: AtomicBool,
-}
-
-struct Outstanding<'a> {
-    progress: &'a Progress,
-    /// Whether Redis answered the command; `None` when the caller gave up on it first (it then
-    /// says nothing about Redis).
-    answered: Option<bool>,
-}
-
 enum Source {
     /// One server, plaintext.
     Direct(ConnectionInfo),
@@ -168,32 +171,6 @@ impl redis::aio::ConnectionLike for Conn {
         }
     }
 }
-
-impl Conn {
-    /// `WAIT replicas timeout_ms` on the primary that holds `key` (on one server, that
-    /// server): the replicas a cluster primary counts are its own.
-    pub async fn wait_for_replicas(&mut self, key: &str, replicas: u32, timeout_ms: u64) -> Result<i64, RedisError> {
-        let mut wait = redis::cmd("WAIT");
-        wait.arg(replicas).arg(timeout_ms);
-        match self {
-            Self::Single(c) => wait.query_async(c).await,
-            Self::Cluster(c) => {
-                use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
-                let primary = Route::new(crate::session::cluster_slot(key.as_bytes()), SlotAddr::Master);
-                let node = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(primary));
-                let reply = c.route_command(wait, node).await?;
-                redis::from_redis_value(reply).map_err(RedisError::from)
-            }
-        }
-    }
-}
-
-/// How many times a cluster command is retried (after a `MOVED`, `TRYAGAIN`, a lost node…)
-/// and how long the client waits between tries: a few short waits, so a command ends within
-/// a lock budget instead of redis-rs' default of 16 tries over seconds.
-const CLUSTER_RETRIES: u32 = 3;
-const CLUSTER_MIN_RETRY_WAIT_MS: u64 = 5;
-const CLUSTER_MAX_RETRY_WAIT_MS: u64 = 100;
 
 /// A failed connection attempt: whether Redis refused us or could not be reached.
 enum Failure {
@@ -379,43 +356,6 @@ impl RedisConn {
         }
     }
 
-    /// Over TLS 1.3 a server that refuses the client's certificate says so only after the
-    /// handshake, in an alert the client reads: one `PING` on a raw TLS stream reads it, so a
-    /// missing or unaccepted client certificate is told apart from a server that is down.
-    async fn probe_tls(&self) -> Result<(), Failure> {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let (host, port) = match &self.inner.source {
-            Source::Tls { host, port, .. } => (host.clone(), *port),
-            Source::Sentinel { tls: true, .. } => {
-                let client = self.sentinel_client().await?;
-                match client.get_connection_info().addr() {
-                    ConnectionAddr::TcpTls { host, port, .. } => (host.clone(), *port),
-                    _ => return Ok(()),
-                }
-            }
-            _ => return Ok(()),
-        };
-        let mut stream = self.tls_stream(&host, port).await?;
-        let refused = |e: std::io::Error| {
-            if e.get_ref().is_some_and(|i| i.is::<rustls::Error>()) {
-                Failure::Refused(io_error(&format!("TLS: {e} (check --redis-cert and --redis-key)")))
-            } else {
-                Failure::Unreachable(RedisError::from(e))
-            }
-        };
-        stream.write_all(b"*1\r\n$4\r\nPING\r\n").await.map_err(refused)?;
-        stream.flush().await.map_err(refused)?;
-        let mut reply = [0u8; 64];
-        match tokio::time::timeout(self.inner.connect_timeout, stream.read(&mut reply)).await {
-            Ok(Ok(0)) => Err(Failure::Refused(io_error(
-                "Redis closed the connection after the TLS handshake (does it require a client certificate? --redis-cert, --redis-key)",
-            ))),
-            Ok(Ok(_)) => Ok(()),
-            Ok(Err(e)) => Err(refused(e)),
-            Err(_) => Err(Failure::Unreachable(io_error("no answer to PING over TLS"))),
-        }
-    }
-
     /// Whether connections use TLS (what a startup check can find wrong).
     pub fn uses_tls(&self) -> bool {
         self.inner.tls.is_some()
@@ -445,177 +385,6 @@ impl RedisConn {
             };
         }
         self.connect_single().await.map(Conn::Single)
-    }
-
-    /// Opens a new connection to the one server, or the primary Sentinel names.
-    async fn connect_single(&self) -> Result<MultiplexedConnection, Failure> {
-        let config = &self.inner.config;
-        match &self.inner.source {
-            Source::Direct(info) => {
-                let info = info
-                    .clone()
-                    .set_redis_settings(self.credentials(info.redis_settings())?);
-                let client = Client::open(info).map_err(Failure::Refused)?;
-                client
-                    .get_multiplexed_async_connection_with_config(config)
-                    .await
-                    .map_err(Failure::of)
-            }
-            Source::Tls { host, port, info } => self.connect_tls(host, *port, info).await,
-            Source::Sentinel { tls: false, .. } => {
-                let client = self.sentinel_client().await?;
-                client
-                    .get_multiplexed_async_connection_with_config(config)
-                    .await
-                    .map_err(Failure::of)
-            }
-            Source::Sentinel { tls: true, .. } => {
-                let client = self.sentinel_client().await?;
-                let info = client.get_connection_info();
-                match info.addr() {
-                    ConnectionAddr::TcpTls { host, port, .. } => {
-                        self.connect_tls(host, *port, info.redis_settings()).await
-                    }
-                    _ => Err(Failure::Unreachable(io_error("Sentinel named no TLS address"))),
-                }
-            }
-            Source::Cluster { .. } => Err(Failure::Refused(io_error("a cluster has no single server"))),
-        }
-    }
-
-    /// Whether the URL names a Redis Cluster.
-    pub fn is_cluster(&self) -> bool {
-        matches!(self.inner.source, Source::Cluster { .. })
-    }
-
-    /// A cluster connection of its own for sharded pub/sub (`SSUBSCRIBE`, RESP3): the
-    /// messages and the client's re-subscriptions after a topology change arrive on the
-    /// returned receiver.
-    pub async fn cluster_pubsub(
-        &self,
-    ) -> Result<(ClusterConnection, tokio::sync::mpsc::UnboundedReceiver<redis::PushInfo>), RedisError> {
-        let Source::Cluster { spec, tls, .. } = &self.inner.source else {
-            return Err(io_error("not a cluster URL"));
-        };
-        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        let client = build_cluster(
-            spec,
-            *tls,
-            &self.inner.options,
-            self.inner.tls.as_ref(),
-            self.inner.config_response_timeout(),
-            Some(tx),
-        )
-        .map_err(|e| io_error(&e.to_string()))?;
-        let conn = tokio::time::timeout(self.inner.connect_timeout * 2, client.get_async_connection())
-            .await
-            .map_err(|_| io_error("no cluster node answered"))??;
-        Ok((conn, rx))
-    }
-
-    async fn connect_tls(
-        &self,
-        host: &str,
-        port: u16,
-        info: &RedisConnectionInfo,
-    ) -> Result<MultiplexedConnection, Failure> {
-        let stream = self.tls_stream(host, port).await?;
-        let info = self.credentials(info)?;
-        let handshake = MultiplexedConnection::new_with_config(&info, stream, self.inner.config.clone());
-        let (conn, driver) = match tokio::time::timeout(self.inner.connect_timeout, handshake).await {
-            Ok(r) => r.map_err(Failure::of)?,
-            Err(_) => return Err(Failure::Unreachable(io_error("no answer to the connection handshake"))),
-        };
-        tokio::spawn(driver);
-        Ok(conn)
-    }
-
-    async fn tls_stream(
-        &self,
-        host: &str,
-        port: u16,
-    ) -> Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>, Failure> {
-        let Some(tls) = &self.inner.tls else {
-            return Err(Failure::Refused(io_error("no TLS configuration")));
-        };
-        tls.connect(host, port, self.inner.connect_timeout).await.map_err(|e| {
-            let refused = matches!(&e, ConnectError::Handshake { source, .. } if source.get_ref().is_some_and(|i| i.is::<rustls::Error>()));
-            let error = io_error(&e.to_string());
-            if refused {
-                Failure::Refused(error)
-            } else {
-                Failure::Unreachable(error)
-            }
-        })
-    }
-
-    /// The connection's credentials: the URL's, with `--redis-username` and the password
-    /// file (read now, so a rotated Secret is used by the next connection) over them.
-    fn credentials(&self, base: &RedisConnectionInfo) -> Result<RedisConnectionInfo, Failure> {
-        // No `CLIENT SETINFO` at connect: one command fewer for the ACL to allow.
-        let mut info = base.clone().set_skip_set_lib_name();
-        if let Some(user) = &self.inner.options.username {
-            info = info.set_username(user);
-        }
-        if let Some(path) = &self.inner.options.password_file {
-            let pw = read_password(path).map_err(|e| Failure::Refused(io_error(&e)))?;
-            info = info.set_password(pw);
-        }
-        Ok(info)
-    }
-
-    /// The client for the primary Sentinel names now (rebuilt first when the TLS files changed).
-    async fn sentinel_client(&self) -> Result<Client, Failure> {
-        let Source::Sentinel {
-            client,
-            spec,
-            tls,
-            stale,
-            ..
-        } = &self.inner.source
-        else {
-            return Err(Failure::Refused(io_error("not a Sentinel URL")));
-        };
-        let mut sentinel = client.lock().await;
-        if stale.swap(false, Ordering::AcqRel) {
-            match build_sentinel(spec, *tls, &self.inner.options, self.inner.tls.as_ref()) {
-                Ok(fresh) => *sentinel = fresh,
-                Err(error) => tracing::warn!(%error, "cannot rebuild the Sentinel client with the new TLS files"),
-            }
-        }
-        sentinel.async_get_client().await.map_err(Failure::of)
-    }
-
-    /// A pub/sub connection to the current primary (its own connection, same TLS and
-    /// credentials).
-    pub async fn pubsub(&self) -> Result<PubSub, RedisError> {
-        let (host, port, info) = match &self.inner.source {
-            Source::Direct(info) => {
-                let info = info
-                    .clone()
-                    .set_redis_settings(self.credentials(info.redis_settings()).map_err(Failure::into_error)?);
-                return Client::open(info)?.get_async_pubsub().await;
-            }
-            Source::Tls { host, port, info } => (host.clone(), *port, info.clone()),
-            Source::Sentinel { tls, .. } => {
-                let client = self.sentinel_client().await.map_err(Failure::into_error)?;
-                if !*tls {
-                    return client.get_async_pubsub().await;
-                }
-                match client.get_connection_info().addr() {
-                    ConnectionAddr::TcpTls { host, port, .. } => (
-                        host.clone(),
-                        *port,
-                        client.get_connection_info().redis_settings().clone(),
-                    ),
-                    _ => return Err(io_error("Sentinel named no TLS address")),
-                }
-            }
-            Source::Cluster { .. } => return Err(io_error("a cluster uses sharded pub/sub (cluster_pubsub)")),
-        };
-        let stream = self.tls_stream(&host, port).await.map_err(Failure::into_error)?;
-        let info = self.credentials(&info).map_err(Failure::into_error)?;
-        PubSub::new(&info, stream).await
     }
 
     /// Looks at the TLS files at most once a second; when they changed, the next connection
@@ -690,26 +459,6 @@ impl RedisConn {
     }
 }
 
-impl RedisConn {
-    /// Like [`RedisConn::run`], but a command lost with its connection (the connection was cut:
-    /// reset, broken pipe) is sent once more on a new connection. Only for commands that are
-    /// safe to apply twice, such as a release compared against its token. Returns the result
-    /// and whether it was sent again (then a "not held" answer may mean the first attempt ran).
-    pub async fn run_resent<T, F, Fut>(&self, f: F) -> Result<(T, bool), RedisError>
-    where
-        F: Fn(Conn) -> Fut,
-        Fut: std::future::Future<Output = Result<T, RedisError>>,
-    {
-        match self.run(&f).await {
-            Err(e) if needs_reconnect(&e) => {
-                tracing::debug!(error = %e, "Redis connection lost under a command: sending it again on a new one");
-                self.run(&f).await.map(|t| (t, true))
-            }
-            other => other.map(|t| (t, false)),
-        }
-    }
-}
-
 fn io_error(text: &str) -> RedisError {
     RedisError::from(std::io::Error::other(text.to_owned()))
 }
@@ -726,177 +475,11 @@ fn read_password(path: &std::path::Path) -> Result<String, String> {
     Ok(pw)
 }
 
-/// A cluster client for `spec`: the URL's credentials (the password file's over them, read
-/// now), TLS with the same files, and retries fitted to a lock budget. With `push`, the
-/// connection speaks RESP3 and delivers sharded pub/sub messages there.
-fn build_cluster(
-    spec: &ClusterSpec,
-    tls: bool,
-    options: &ConnOptions,
-    files: Option<&Tls>,
-    response_timeout: Duration,
-    push: Option<tokio::sync::mpsc::UnboundedSender<redis::PushInfo>>,
-) -> Result<ClusterClient, ConnError> {
-    let scheme = if tls { "rediss" } else { "redis" };
-    let nodes: Vec<String> = spec
-        .hosts
-        .iter()
-        .map(|(h, p)| format!("{scheme}://{}:{p}", crate::redis_url::bracket(h)))
-        .collect();
-    let mut builder = ClusterClientBuilder::new(nodes)
-        .retries(CLUSTER_RETRIES)
-        .min_retry_wait(CLUSTER_MIN_RETRY_WAIT_MS)
-        .max_retry_wait(CLUSTER_MAX_RETRY_WAIT_MS)
-        .retry_wait_formula(10, 2)
-        .connection_timeout(response_timeout.max(Duration::from_millis(200)))
-        .response_timeout(response_timeout);
-    let password = match &options.password_file {
-        Some(path) => Some(read_password(path).map_err(ConnError::Setting)?),
-        None => spec.password.clone(),
-    };
-    if let Some(user) = options.username.clone().or_else(|| spec.username.clone()) {
-        builder = builder.username(user);
-    }
-    if let Some(pass) = password {
-        builder = builder.password(pass);
-    }
-    if tls {
-        builder = builder.tls(TlsMode::Secure);
-        if let Some(certs) = files
-            .map(Tls::certificates)
-            .transpose()
-            .map_err(|e| ConnError::Setting(e.to_string()))?
-            .flatten()
-        {
-            builder = builder.certs(certs);
-        }
-    }
-    if let Some(tx) = push {
-        builder = builder.use_protocol(redis::ProtocolVersion::RESP3).push_sender(tx);
-    }
-    builder
-        .build()
-        .map_err(|e| ConnError::Setting(format!("Redis Cluster: {e}")))
-}
-
-/// A Sentinel client for `spec`: plaintext, or TLS to the Sentinels and the primary with the
-/// same files.
-fn build_sentinel(
-    spec: &SentinelSpec,
-    tls: bool,
-    options: &ConnOptions,
-    files: Option<&Tls>,
-) -> Result<SentinelClient, ConnError> {
-    let invalid = |e: RedisError| ConnError::Setting(format!("Sentinel: {e}"));
-    let password = match &options.password_file {
-        Some(path) => Some(read_password(path).map_err(ConnError::Setting)?),
-        None => spec.password.clone(),
-    };
-    let username = options.username.clone().or_else(|| spec.username.clone());
-    if !tls {
-        let mut info = RedisConnectionInfo::default().set_db(spec.db);
-        if let Some(user) = &username {
-            info = info.set_username(user);
-        }
-        if let Some(pass) = &password {
-            info = info.set_password(pass);
-        }
-        let primary = SentinelNodeConnectionInfo::default().set_redis_connection_info(info);
-        return SentinelClient::build(
-            spec.node_urls(),
-            spec.primary.clone(),
-            Some(primary),
-            SentinelServerType::Master,
-        )
-        .map_err(invalid);
-    }
-    let nodes = spec.hosts.iter().map(|(host, port)| ConnectionAddr::TcpTls {
-        host: host.clone(),
-        port: *port,
-        insecure: false,
-        tls_params: None,
-    });
-    let mut builder = SentinelClientBuilder::new(nodes, spec.primary.clone(), SentinelServerType::Master)
-        .map_err(invalid)?
-        .set_client_to_sentinel_tls_mode(TlsMode::Secure)
-        .set_client_to_redis_tls_mode(TlsMode::Secure)
-        .set_client_to_redis_db(spec.db);
-    if let Some(user) = &username {
-        builder = builder.set_client_to_redis_username(user);
-    }
-    if let Some(pass) = &password {
-        builder = builder.set_client_to_redis_password(pass);
-    }
-    if let Some(user) = &spec.sentinel_username {
-        builder = builder.set_client_to_sentinel_username(user);
-    }
-    if let Some(pass) = &spec.sentinel_password {
-        builder = builder.set_client_to_sentinel_password(pass);
-    }
-    if let Some(certs) = files
-        .map(Tls::certificates)
-        .transpose()
-        .map_err(|e| ConnError::Setting(e.to_string()))?
-        .flatten()
-    {
-        builder = builder
-            .set_client_to_sentinel_certificates(certs.clone())
-            .set_client_to_redis_certificates(certs);
-    }
-    builder.build().map_err(invalid)
-}
-
 // === impl Progress ===
 
 impl Inner {
     fn config_response_timeout(&self) -> Duration {
         self.response_timeout
-    }
-}
-
-impl Progress {
-    fn new() -> Self {
-        Self {
-            base: std::time::Instant::now(),
-            in_flight: AtomicUsize::new(0),
-            since_us: AtomicU64::new(0),
-            silent: std::sync::atomic::AtomicBool::new(false),
-        }
-    }
-
-    fn now_us(&self) -> u64 {
-        self.base.elapsed().as_micros() as u64
-    }
-
-    fn begin(&self) -> Outstanding<'_> {
-        if self.in_flight.fetch_add(1, Ordering::AcqRel) == 0 && !self.silent.load(Ordering::Acquire) {
-            self.since_us.store(self.now_us(), Ordering::Release);
-        }
-        Outstanding {
-            progress: self,
-            answered: None,
-        }
-    }
-
-    fn stalled_for(&self) -> Duration {
-        if self.in_flight.load(Ordering::Acquire) == 0 {
-            return Duration::ZERO;
-        }
-        let since = self.since_us.load(Ordering::Acquire);
-        Duration::from_micros(self.now_us().saturating_sub(since))
-    }
-}
-
-impl Drop for Outstanding<'_> {
-    fn drop(&mut self) {
-        let p = self.progress;
-        if let Some(answered) = self.answered {
-            if answered {
-                p.since_us.store(p.now_us(), Ordering::Release);
-            }
-            p.silent.store(!answered, Ordering::Release);
-        }
-        p.in_flight.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
