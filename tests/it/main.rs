@@ -14,6 +14,7 @@ mod cli;
 mod cluster;
 mod coalescing;
 mod commit_order;
+mod commit_round_trips;
 mod contention;
 mod deploy_metrics;
 mod edges;
