@@ -11,8 +11,10 @@
 
 mod pool;
 mod sigv4;
+mod web_identity;
 
 pub use self::sigv4::{SignError, Signer};
+pub use self::web_identity::{StsError, WebIdentity, WebIdentityConfig};
 
 use std::time::Duration;
 

@@ -36,3 +36,4 @@ mod store_edges;
 mod tls_store;
 mod transparent_netns;
 mod weak_store;
+mod web_identity;
