@@ -116,7 +116,7 @@ impl WebIdentity {
         let mut connector = CappedConnector::new(http, 4);
         if uri.scheme() == Some(&http::uri::Scheme::HTTPS) {
             connector =
-                connector.with_tls(super::tls_config(None).map_err(|e| format!("STS {}: {e}", config.endpoint))?);
+                connector.with_tls(super::tls::tls_config(None).map_err(|e| format!("STS {}: {e}", config.endpoint))?);
         }
         Ok(Self {
             config,
@@ -180,7 +180,7 @@ impl WebIdentity {
                 .client
                 .request(req)
                 .await
-                .map_err(|e| StsError::Unreachable(super::error_chain(&e)))?;
+                .map_err(|e| StsError::Unreachable(super::error::error_chain(&e)))?;
             let status = res.status();
             let body = res
                 .into_body()
