@@ -9,16 +9,25 @@
 //! never written to a connection is retried by the client itself; one that may have been
 //! sent is not (its outcome is unknown).
 
+mod document;
+mod error;
 mod pool;
 mod sigv4;
+mod store_parts;
+mod tls;
+mod web_identity;
 
+pub use self::document::{parse_document, Fetched, FetchedRaw, Precondition};
+pub use self::error::UpstreamError;
 pub use self::sigv4::{SignError, Signer};
+pub use self::store_parts::StoreParts;
+pub use self::web_identity::{StsError, WebIdentity, WebIdentityConfig};
 
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{self, HeaderValue};
-use http::{Method, Request, Response, StatusCode, Uri};
+use http::{Method, Request, Response, Uri};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -26,162 +35,14 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use tokio::time::Instant;
 
-use crate::http::{full, Body};
-use crate::merge::Document;
+use crate::http::Body;
 use crate::metrics::Metrics;
-use crate::routes::Dialect;
-
-/// What the write-back of a merge keeps of the client's request, in the store's dialect.
-#[derive(Clone, Debug)]
-pub struct StoreParts {
-    pub dialect: &'static Dialect,
-    /// The client's end-to-end headers the dialect keeps (metadata, encryption, content type,
-    /// credentials).
-    pub headers: http::HeaderMap,
-    /// `If-Match` with the store's own entity tag: the write applies only to that version.
-    pub if_match: Option<http::HeaderValue>,
-    /// `If-None-Match: *`: the write applies only if the document does not exist.
-    pub if_none_match: bool,
-}
-
-impl Default for StoreParts {
-    fn default() -> Self {
-        Self {
-            dialect: &crate::routes::dialect::HTTP,
-            headers: http::HeaderMap::new(),
-            if_match: None,
-            if_none_match: false,
-        }
-    }
-}
-
-impl StoreParts {
-    pub fn of(dialect: &'static Dialect, headers: &http::HeaderMap) -> Self {
-        let if_none_match = headers
-            .get(header::IF_NONE_MATCH)
-            .is_some_and(|v| v.as_bytes().trim_ascii() == b"*");
-        if dialect.answers_natively() {
-            return Self {
-                if_none_match,
-                ..Self::default()
-            };
-        }
-        let mut kept = http::HeaderMap::new();
-        for (name, value) in headers {
-            if dialect.keeps(name.as_str()) {
-                kept.append(name.clone(), value.clone());
-            }
-        }
-        Self {
-            dialect,
-            headers: kept,
-            if_match: headers.get(header::IF_MATCH).cloned(),
-            if_none_match,
-        }
-    }
-}
-
-/// The header carrying the fencing token of the lock grant a write was made under.
-pub const FENCING_TOKEN: &str = "x-fencing-token";
 
 /// Largest document accepted from the store.
 const MAX_DOCUMENT_BYTES: usize = 64 * 1024 * 1024;
 
-#[derive(Debug, thiserror::Error)]
-pub enum UpstreamError {
-    #[error("the context store did not answer within {0:?}")]
-    Timeout(Duration),
-    /// The connection to the store failed after the request may have been sent.
-    #[error("the context store is unreachable: {0}")]
-    Unreachable(String),
-    /// The request never left: no connection to the store could be made, or no request could
-    /// be built. Nothing was written.
-    #[error("the context store could not be reached: {0}")]
-    NotSent(String),
-    #[error("the context store refused the conditional write (412)")]
-    PreconditionFailed,
-    #[error("the context store refused the write: a newer lock grant already wrote this session")]
-    FencedOut,
-    #[error("the context store answered {status}")]
-    Status { status: StatusCode, body: Bytes },
-    #[error("the context store returned a document turnlock cannot read: {0}")]
-    InvalidDocument(String),
-}
-
-impl UpstreamError {
-    /// A client failure: `NotSent` when no connection could be made, else `Unreachable`.
-    fn from_client(e: &hyper_util::client::legacy::Error) -> Self {
-        if e.is_connect() {
-            Self::NotSent(error_chain(e))
-        } else {
-            Self::Unreachable(error_chain(e))
-        }
-    }
-
-    /// Whether the write may have landed even though no confirmation came back.
-    pub fn outcome_unknown(&self) -> bool {
-        matches!(self, Self::Timeout(_) | Self::Unreachable(_))
-    }
-
-    pub fn status(&self) -> StatusCode {
-        match self {
-            Self::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
-            Self::FencedOut => StatusCode::SERVICE_UNAVAILABLE,
-            _ => StatusCode::BAD_GATEWAY,
-        }
-    }
-
-    pub fn code(&self) -> &'static str {
-        match self {
-            Self::Timeout(_) => "upstream_timeout",
-            Self::Unreachable(_) | Self::NotSent(_) => "upstream_unavailable",
-            Self::PreconditionFailed => "upstream_conflict",
-            Self::FencedOut => "fenced_out",
-            Self::Status { .. } => "upstream_error",
-            Self::InvalidDocument(_) => "upstream_invalid_document",
-        }
-    }
-}
-
-/// The precondition of a write-back.
-#[derive(Clone, Debug)]
-pub enum Precondition {
-    /// The store's entity tag as read.
-    IfMatch(HeaderValue),
-    /// The document must not exist yet.
-    Absent,
-    /// The store gives no entity tags: ordering is turnlock's own version fence.
-    None,
-}
-
-/// A document the store sent, parsed: a JSON object whose `messages`, when present, is an array.
-pub fn parse_document(bytes: &[u8]) -> Result<crate::merge::Document, UpstreamError> {
-    match serde_json::from_slice::<serde_json::Value>(bytes) {
-        Ok(serde_json::Value::Object(doc)) => {
-            if doc.get("messages").is_some_and(|m| !m.is_array()) {
-                Err(UpstreamError::InvalidDocument("`messages` is not an array".into()))
-            } else {
-                Ok(doc)
-            }
-        }
-        Ok(_) => Err(UpstreamError::InvalidDocument("not a JSON object".into())),
-        Err(e) => Err(UpstreamError::InvalidDocument(e.to_string())),
-    }
-}
-
-/// A document as the store sent it.
-#[derive(Debug)]
-pub struct FetchedRaw {
-    pub body: Option<Bytes>,
-    pub etag: Option<HeaderValue>,
-}
-
-/// A document as read from the store.
-#[derive(Debug)]
-pub struct Fetched {
-    pub doc: Option<Document>,
-    pub etag: Option<HeaderValue>,
-}
+/// The header carrying the fencing token of the lock grant a write was made under.
+pub const FENCING_TOKEN: &str = "x-fencing-token";
 
 /// The connection pool's limits.
 #[derive(Clone, Copy, Debug)]
@@ -260,7 +121,7 @@ impl Upstream {
         connector.set_connect_timeout(Some(timeout));
         let mut connector = pool::CappedConnector::new(connector, pool.max_connections);
         if https {
-            connector = connector.with_tls(tls_config(ca).map_err(|e| format!("upstream URL {base:?}: {e}"))?);
+            connector = connector.with_tls(tls::tls_config(ca).map_err(|e| format!("upstream URL {base:?}: {e}"))?);
         }
         let client = Client::builder(TokioExecutor::new())
             .pool_timer(TokioTimer::new())
@@ -454,140 +315,6 @@ impl Upstream {
         }
     }
 
-    /// Reads the document at `path`, or `None` on 404.
-    pub async fn get_document(&self, path: &str) -> Result<Fetched, UpstreamError> {
-        self.get_document_with(path, &StoreParts::default()).await
-    }
-
-    /// [`Upstream::get_document`] with the client's credentials (its `Authorization`, when
-    /// the store's dialect keeps it), or signed by turnlock when configured to.
-    pub async fn get_document_with(&self, path: &str, store: &StoreParts) -> Result<Fetched, UpstreamError> {
-        let raw = self.get_document_raw_with(path, store).await?;
-        let doc = raw.body.as_deref().map(parse_document).transpose()?;
-        Ok(Fetched { doc, etag: raw.etag })
-    }
-
-    /// Reads a document as the store sent it (`body` `None` when absent), unparsed.
-    pub async fn get_document_raw(&self, path: &str) -> Result<FetchedRaw, UpstreamError> {
-        self.get_document_raw_with(path, &StoreParts::default()).await
-    }
-
-    /// [`Upstream::get_document_raw`] with the client's credentials, or signed by turnlock
-    /// when configured to (as [`Upstream::get_document_with`]).
-    pub async fn get_document_raw_with(&self, path: &str, store: &StoreParts) -> Result<FetchedRaw, UpstreamError> {
-        let started = Instant::now();
-        let mut req = Request::builder()
-            .method(Method::GET)
-            .uri(self.uri(path).map_err(|e| UpstreamError::NotSent(e.to_string()))?)
-            .header(header::ACCEPT, "application/json")
-            .body(crate::http::empty())
-            .map_err(|e| UpstreamError::NotSent(e.to_string()))?;
-        if let Some(auth) = store.headers.get(header::AUTHORIZATION) {
-            req.headers_mut().insert(header::AUTHORIZATION, auth.clone());
-        }
-        self.sign(&mut req, b"")?;
-        let res = self.send_safe(req).await;
-        self.answered("get", &res);
-        let result = match res {
-            Err(e) => Err(e),
-            Ok(res) if res.status() == StatusCode::NOT_FOUND => {
-                // Drain so the connection returns to the pool.
-                let _ = self.body(res).await;
-                Ok(FetchedRaw { body: None, etag: None })
-            }
-            Ok(res) if res.status().is_success() => {
-                let etag = res.headers().get(header::ETAG).cloned();
-                let bytes = self.body(res).await?;
-                Ok(FetchedRaw {
-                    body: Some(bytes),
-                    etag,
-                })
-            }
-            Ok(res) => {
-                let status = res.status();
-                let body = self.body(res).await.unwrap_or_default();
-                Err(UpstreamError::Status { status, body })
-            }
-        };
-        self.metrics.upstream("get", started.elapsed());
-        result
-    }
-
-    /// Writes the document back under its precondition; returns the store's new entity tag.
-    pub async fn put_document(
-        &self,
-        path: &str,
-        doc: Bytes,
-        precondition: &Precondition,
-        fence: u64,
-    ) -> Result<Option<HeaderValue>, UpstreamError> {
-        self.put_document_with(path, doc, precondition, fence, &StoreParts::default())
-            .await
-    }
-
-    /// [`Upstream::put_document`] in a store's dialect: with the client's headers the
-    /// dialect keeps (metadata, encryption, content type, credentials), and the dialect's
-    /// conflict statuses read as "the document moved".
-    pub async fn put_document_with(
-        &self,
-        path: &str,
-        doc: Bytes,
-        precondition: &Precondition,
-        fence: u64,
-        store: &StoreParts,
-    ) -> Result<Option<HeaderValue>, UpstreamError> {
-        let started = Instant::now();
-        let mut req = Request::builder()
-            .method(Method::PUT)
-            .uri(self.uri(path).map_err(|e| UpstreamError::NotSent(e.to_string()))?);
-        if let Some(headers) = req.headers_mut() {
-            headers.extend(store.headers.clone());
-            headers
-                .entry(header::CONTENT_TYPE)
-                .or_insert(HeaderValue::from_static("application/json"));
-        }
-        req = req.header(FENCING_TOKEN, fence);
-        req = match precondition {
-            Precondition::IfMatch(tag) => req.header(header::IF_MATCH, tag.clone()),
-            Precondition::Absent => req.header(header::IF_NONE_MATCH, "*"),
-            Precondition::None => req,
-        };
-        let mut req = req
-            .body(full(doc.clone()))
-            .map_err(|e| UpstreamError::NotSent(e.to_string()))?;
-        self.sign(&mut req, &doc)?;
-        let res = self.send(req).await;
-        self.answered("put", &res);
-        let result = match res {
-            Err(e) => Err(e),
-            Ok(res) if res.status().is_success() => {
-                let etag = res.headers().get(header::ETAG).cloned();
-                let _ = self.body(res).await;
-                Ok(etag)
-            }
-            Ok(res) if store.dialect.is_conflict(res.status().as_u16()) => {
-                let status = res.status();
-                let body = self.body(res).await.unwrap_or_default();
-                if status == StatusCode::CONFLICT && is_fenced_out(&body) {
-                    Err(UpstreamError::FencedOut)
-                } else {
-                    Err(UpstreamError::PreconditionFailed)
-                }
-            }
-            Ok(res) => {
-                let status = res.status();
-                let body = self.body(res).await.unwrap_or_default();
-                if status == StatusCode::CONFLICT && is_fenced_out(&body) {
-                    Err(UpstreamError::FencedOut)
-                } else {
-                    Err(UpstreamError::Status { status, body })
-                }
-            }
-        };
-        self.metrics.upstream("put", started.elapsed());
-        result
-    }
-
     /// Reads a whole response body, within the timeout and the size limit.
     pub async fn body(&self, res: Response<Incoming>) -> Result<Bytes, UpstreamError> {
         let limited = http_body_util::Limited::new(res.into_body(), MAX_DOCUMENT_BYTES);
@@ -633,60 +360,6 @@ fn repeatable(req: &Request<Body>) -> Option<Request<Body>> {
         .ok()?;
     *again.headers_mut() = req.headers().clone();
     Some(again)
-}
-
-/// Whether a store's 409 says the write's fencing token was older than one already stored
-/// (the reference store's `--enforce-fencing` answer).
-/// TLS to the store: the system's roots, plus the CA certificates of `ca` (PEM).
-fn tls_config(ca: Option<&std::path::Path>) -> Result<std::sync::Arc<rustls::ClientConfig>, String> {
-    use rustls_pki_types::pem::PemObject;
-    let mut roots = rustls::RootCertStore::empty();
-    for cert in rustls_native_certs::load_native_certs().certs {
-        // A system certificate rustls cannot use is left out, as other clients do.
-        let _ = roots.add(cert);
-    }
-    if let Some(path) = ca {
-        let pem = std::fs::read(path).map_err(|e| format!("cannot read --upstream-ca {}: {e}", path.display()))?;
-        let mut added = 0;
-        for cert in rustls_pki_types::CertificateDer::pem_slice_iter(&pem) {
-            let cert = cert.map_err(|e| format!("--upstream-ca {}: {e}", path.display()))?;
-            roots
-                .add(cert)
-                .map_err(|e| format!("--upstream-ca {}: {e}", path.display()))?;
-            added += 1;
-        }
-        if added == 0 {
-            return Err(format!("--upstream-ca {} holds no PEM certificate", path.display()));
-        }
-    }
-    if roots.is_empty() {
-        return Err(
-            "no CA certificates to verify the store with: install the system's (ca-certificates) or give --upstream-ca"
-                .into(),
-        );
-    }
-    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
-    let config = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map_err(|e| e.to_string())?
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    Ok(std::sync::Arc::new(config))
-}
-
-fn is_fenced_out(body: &[u8]) -> bool {
-    serde_json::from_slice::<serde_json::Value>(body).is_ok_and(|v| v["error"] == "stale_fencing_token")
-}
-
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(inner) = cur {
-        s.push_str(": ");
-        s.push_str(&inner.to_string());
-        cur = inner.source();
-    }
-    s
 }
 
 #[cfg(test)]

@@ -7,7 +7,7 @@ use dashmap::DashMap;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use super::{Attempt, LockSettings, Settled, Slot, Wake};
+use super::{Attempt, LockSettings, Settled, Slot, SlotRelease, Wake};
 use crate::metrics::Metrics;
 use crate::session::Scope;
 
@@ -45,7 +45,7 @@ impl MemoryLocks {
         }
     }
 
-    pub(super) fn try_acquire(&self, key: &str, fence_key: &str, token: &str) -> Attempt {
+    pub(super) fn try_acquire(&self, key: &str, fence_key: &str, token: &str, slot: Option<&Scope>) -> Attempt {
         let now = Instant::now();
         let lease = self.settings.lease;
         let mut entry = self.locks.entry(key.to_owned()).or_insert_with(|| Holder {
@@ -70,7 +70,9 @@ impl MemoryLocks {
             .unwrap_or(0);
         let fence = (self.counter(fence_key) + 1).max(micros);
         self.set_counter(fence_key, fence);
-        Attempt::Granted { fence }
+        // Like Redis: the grant takes the document's commit slot when it is free.
+        let slot = slot.map(|scope| self.take_slot(key, token, scope));
+        Attempt::Granted { fence, slot }
     }
 
     pub(super) fn watch(&self, key: &str) -> Wake {
@@ -130,8 +132,12 @@ impl MemoryLocks {
         }
     }
 
-    pub(super) fn release_slot(&self, token: &str, scope: &Scope, settled: Settled) -> bool {
-        match settled {
+    /// Settles a commit slot at its lock's release (see `release.lua`): records what the store
+    /// did, then gives the slot back unless it is kept. Returns whether it was still this
+    /// owner's (`true` when kept).
+    pub(super) fn release_slot(&self, token: &str, release: &SlotRelease) -> bool {
+        let scope = &release.scope;
+        match release.settled {
             Settled::Unchanged => {}
             Settled::Accepted(turn) => {
                 let key = scope.turn_mark();
@@ -141,6 +147,9 @@ impl MemoryLocks {
             Settled::Deleted => {
                 self.counters.remove(&scope.turn_mark());
             }
+        }
+        if !release.give_back {
+            return true;
         }
         let now = Instant::now();
         self.pending

@@ -43,12 +43,18 @@ pub enum LockError {
 /// What one attempt to take a lock found.
 #[derive(Debug)]
 pub(crate) enum Attempt {
-    Granted { fence: u64 },
-    Held { remaining: Duration },
+    /// Granted; with what the grant found of the document's commit slot, when it asked for it.
+    Granted {
+        fence: u64,
+        slot: Option<Slot>,
+    },
+    Held {
+        remaining: Duration,
+    },
 }
 
 /// What an attempt to take a document's commit slot found (see `slot_take.lua`).
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Slot {
     /// Taken (or extended) by this writer; carries the document's turn mark (0 when none).
     Taken { turn_mark: u64 },
@@ -58,7 +64,7 @@ pub enum Slot {
     InFlight { remaining: Duration },
 }
 
-/// What the store did with the write a slot protected (see `slot_release.lua`).
+/// What the store did with the writes a slot protected (see `release.lua`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Settled {
     /// Nothing that changes the turn mark (a refused write, or a merge write).
@@ -70,6 +76,15 @@ pub enum Settled {
 }
 
 impl Settled {
+    /// What a later write of the same batch did adds to what an earlier one did: the latest
+    /// change of the turn mark counts.
+    pub fn then(self, later: Settled) -> Settled {
+        match later {
+            Settled::Unchanged => self,
+            changed => changed,
+        }
+    }
+
     fn as_arg(self) -> i64 {
         match self {
             Settled::Unchanged => -1,
@@ -77,6 +92,32 @@ impl Settled {
             Settled::Deleted => -2,
         }
     }
+}
+
+/// What a lock's release does with the commit slot its holder took (see `release.lua`): one
+/// round trip gives both back.
+#[derive(Clone, Debug)]
+pub struct SlotRelease {
+    pub scope: Scope,
+    /// What the store did with the writes made under the slot.
+    pub settled: Settled,
+    /// Whether the slot is given back; `false` leaves it to expire by itself (a write whose
+    /// outcome is unknown may still land, and no commit is ordered after it until then).
+    pub give_back: bool,
+}
+
+/// What a release found.
+#[derive(Debug)]
+pub struct Released {
+    /// The lock was still this writer's.
+    pub lock: bool,
+    /// The commit slot was still this writer's (or none was given back): `false` means a
+    /// write-back outlived its slot.
+    pub slot: bool,
+    /// The records the release carried when its round trip failed: none of them is known to
+    /// be stored, and each is safe to store again (a compare-and-set on its claim, or a
+    /// snapshot keyed by its version).
+    pub unsaved: Vec<Entry>,
 }
 
 #[derive(Clone)]
@@ -116,6 +157,8 @@ pub struct Lease {
     token: String,
     fence: u64,
     acquired: Instant,
+    /// What the grant found of the commit slot it asked for, and when it was sent.
+    slot: Option<(Slot, Instant)>,
     state: Arc<LeaseState>,
     renewal: Option<tokio::task::JoinHandle<()>>,
     released: bool,
@@ -146,13 +189,16 @@ impl Locks {
         metrics: &Metrics,
     ) -> Result<Lease, LockError> {
         let waiter = format!("{:016x}", rand::random::<u64>());
-        self.acquire_as(key, fence_key, deadline, metrics, &waiter).await
+        self.acquire_as(key, fence_key, deadline, metrics, &waiter, None).await
     }
 
     /// Takes `key` as `waiter`, waiting until `deadline` at the most. With Redis, waiters of
     /// all proxies take the lock in the order they first asked for it (a waiter keeps its
     /// place across calls with the same id while it keeps asking, see [`WAITER_TTL`]): a
     /// proxy that just released it waits behind the others.
+    ///
+    /// With `slot`, the grant takes that document's commit slot in the same round trip (see
+    /// [`Lease::slot_at_grant`]), to be given back with the lock ([`Lease::release_with`]).
     pub async fn acquire_as(
         &self,
         key: &str,
@@ -160,6 +206,7 @@ impl Locks {
         deadline: Instant,
         metrics: &Metrics,
         waiter: &str,
+        slot: Option<&Scope>,
     ) -> Result<Lease, LockError> {
         let started = Instant::now();
         let token = format!("{:032x}", rand::random::<u128>());
@@ -171,9 +218,9 @@ impl Locks {
         let mut wake: Option<Wake> = None;
         let result = loop {
             let sent = Instant::now();
-            match self.try_acquire(key, fence_key, &token, waiter).await {
-                Ok(Attempt::Granted { fence }) => {
-                    break Ok(self.lease(key, token, fence, sent));
+            match self.try_acquire(key, fence_key, &token, waiter, slot).await {
+                Ok(Attempt::Granted { fence, slot }) => {
+                    break Ok(self.lease(key, token, fence, sent, slot));
                 }
                 Ok(Attempt::Held { remaining }) => {
                     let now = Instant::now();
@@ -201,10 +248,17 @@ impl Locks {
         result
     }
 
-    async fn try_acquire(&self, key: &str, fence_key: &str, token: &str, waiter: &str) -> Result<Attempt, LockError> {
+    async fn try_acquire(
+        &self,
+        key: &str,
+        fence_key: &str,
+        token: &str,
+        waiter: &str,
+        slot: Option<&Scope>,
+    ) -> Result<Attempt, LockError> {
         match self {
-            Locks::Memory(m) => Ok(m.try_acquire(key, fence_key, token)),
-            Locks::Redis(r) => r.try_acquire(key, fence_key, token, waiter).await,
+            Locks::Memory(m) => Ok(m.try_acquire(key, fence_key, token, slot)),
+            Locks::Redis(r) => r.try_acquire(key, fence_key, token, waiter, slot).await,
         }
     }
 
@@ -232,16 +286,31 @@ impl Locks {
     }
 
     async fn release_key(&self, key: &str, token: &str) -> Result<bool, LockError> {
-        self.release_key_with(key, token, &[]).await
+        self.release_key_with(key, token, &[], None).await.map(|r| r.lock)
     }
 
-    /// Releases after storing `records`; only a backend that [`carries_records`] is given any.
+    /// Releases after storing `records` and settling `slot`; only a backend that
+    /// [`carries_records`] is given any records.
     ///
     /// [`carries_records`]: Locks::carries_records
-    async fn release_key_with(&self, key: &str, token: &str, records: &[Entry]) -> Result<bool, LockError> {
+    async fn release_key_with(
+        &self,
+        key: &str,
+        token: &str,
+        records: &[Entry],
+        slot: Option<&SlotRelease>,
+    ) -> Result<Released, LockError> {
         match self {
-            Locks::Memory(m) => Ok(m.release(key, token)),
-            Locks::Redis(r) => r.release(key, token, records).await,
+            Locks::Memory(m) => {
+                // The slot before the lock, as in Redis's one script.
+                let slot = slot.map_or(true, |s| m.release_slot(token, s));
+                Ok(Released {
+                    lock: m.release(key, token),
+                    slot,
+                    unsaved: Vec::new(),
+                })
+            }
+            Locks::Redis(r) => r.release(key, token, records, slot).await,
         }
     }
 
@@ -252,8 +321,9 @@ impl Locks {
     }
 
     /// Takes the commit slot of a document (`scope`) for the holder of `lease`, or extends
-    /// it when this holder has it already. Taken before the document is read; given back with
-    /// [`Locks::release_slot`] once the store answered the write.
+    /// it when this holder has it already. Taken before the document is read (by the grant
+    /// itself when the slot was free then); given back with the lock ([`Lease::release_with`])
+    /// once the store answered the write.
     pub async fn take_slot(&self, lease: &Lease, scope: &Scope) -> Result<Slot, LockError> {
         match self {
             Locks::Memory(m) => Ok(m.take_slot(&lease.key, &lease.token, scope)),
@@ -261,53 +331,32 @@ impl Locks {
         }
     }
 
-    /// Gives a commit slot back, recording what the store did. Returns whether the slot was
-    /// still this writer's: `false` means the write outlived the slot.
-    pub async fn release_slot(&self, lease: &Lease, scope: &Scope, settled: Settled) -> Result<bool, LockError> {
-        match self {
-            Locks::Memory(m) => Ok(m.release_slot(&lease.token, scope, settled)),
-            Locks::Redis(r) => r.release_slot(&lease.token, scope, settled).await,
-        }
-    }
-
-    /// Gives a commit slot back in the background after its release failed on a Redis
-    /// Cluster (the shard failing over): the slot reached the replica, and the document's
-    /// next write would otherwise wait until it lapses (the store timeout + a lease). Tried
-    /// until it lapses by itself; safe to run late: the slot goes only while it still holds
-    /// this grant's token, and a turn mark only rises. A deletion's release is not retried (a
-    /// late one could clear the mark of a document written again meanwhile).
-    pub fn release_slot_later(&self, lease: &Lease, scope: &Scope, settled: Settled) {
+    /// Sends a failed release again in the background, on a Redis Cluster whose shard is
+    /// failing over: the commit slot reached the replica, and the document's next write would
+    /// otherwise wait until it lapses (the store timeout + a lease). Tried until the slot lapses
+    /// by itself; safe to run late: it is sent as a re-sending (the turn mark changes only while
+    /// the slot still holds this grant's token, and the slot goes only then), and the lock goes
+    /// only while it still holds the token. A deletion's release is not sent again (a late one
+    /// could clear the mark of a document written again meanwhile). Records are not carried:
+    /// they are settled on their own.
+    fn release_later(&self, key: &str, token: &str, slot: &SlotRelease) {
         let Locks::Redis(r) = self else { return };
-        if matches!(settled, Settled::Deleted) || !r.conn().is_cluster() {
+        if matches!(slot.settled, Settled::Deleted) || !slot.give_back || !r.conn().is_cluster() {
             return;
         }
-        let (r, token, scope) = (r.clone(), lease.token.clone(), scope.clone());
+        let (r, key, token, slot) = (r.clone(), key.to_owned(), token.to_owned(), slot.clone());
         let until = Instant::now() + r.settings.slot_ttl;
         tokio::spawn(async move {
             let mut pause = Duration::from_millis(100);
             while Instant::now() + pause < until {
                 tokio::time::sleep(pause).await;
-                if r.release_slot(&token, &scope, settled).await.is_ok() {
-                    tracing::info!(slot = %scope.slot(), "commit slot given back after a retry");
+                if r.release_again(&key, &token, &slot).await.is_ok() {
+                    tracing::info!(slot = %slot.scope.slot(), "commit slot given back after a retry");
                     return;
                 }
                 pause = (pause * 2).min(Duration::from_millis(400));
             }
         });
-    }
-
-    /// Raises a document's turn mark for a serialized write whose outcome is unknown (it may
-    /// have landed), leaving its commit slot to expire by itself: a write of an older turn is
-    /// then refused as stale rather than stored after one that may be there.
-    pub async fn raise_turn_mark(&self, scope: &Scope, turn: u64) -> Result<(), LockError> {
-        // An empty owner token never matches a slot's: the mark is raised, the slot kept.
-        match self {
-            Locks::Memory(m) => {
-                m.release_slot("", scope, Settled::Accepted(turn));
-                Ok(())
-            }
-            Locks::Redis(r) => r.release_slot("", scope, Settled::Accepted(turn)).await.map(|_| ()),
-        }
     }
 
     /// Whether the lock backend has left commands unanswered for longer than `limit`: a
@@ -399,7 +448,7 @@ impl Locks {
         released
     }
 
-    fn lease(&self, key: &str, token: String, fence: u64, sent: Instant) -> Lease {
+    fn lease(&self, key: &str, token: String, fence: u64, sent: Instant, slot: Option<Slot>) -> Lease {
         let lease_len = self.settings().lease;
         let state = Arc::new(LeaseState {
             lost: AtomicBool::new(false),
@@ -419,6 +468,7 @@ impl Locks {
             token,
             fence,
             acquired: Instant::now(),
+            slot: slot.map(|slot| (slot, sent)),
             state,
             renewal: Some(renewal),
             released: false,
@@ -473,6 +523,12 @@ impl Lease {
         &self.key
     }
 
+    /// What the grant found of the commit slot it was asked to take, and when the grant was
+    /// sent (the slot lives from then on); `None` when it was not asked to.
+    pub fn slot_at_grant(&self) -> Option<(&Slot, Instant)> {
+        self.slot.as_ref().map(|(slot, sent)| (slot, *sent))
+    }
+
     /// Whether the lease can still be trusted: not reported lost, and not past its local
     /// expiry. A writer checks this right before it writes.
     pub fn check(&self) -> bool {
@@ -487,29 +543,23 @@ impl Lease {
 
     /// Gives the lock back; returns whether it was still held by this writer.
     pub async fn release(self, metrics: &Metrics) -> bool {
-        self.release_carrying(metrics, Vec::new()).await.0
+        self.release_with(metrics, Vec::new(), None).await.lock
     }
 
-    /// Stores `records` (what was committed under the lock) and gives the lock back, in one
-    /// round trip. Only for a backend that [`Locks::carries_records`]. When the round trip
-    /// fails the records come back, to be stored again later (each is safe to store twice: a
-    /// compare-and-set on its claim, or a snapshot keyed by its version).
-    pub async fn release_with(self, metrics: &Metrics, records: Vec<Entry>) -> Result<(), Vec<Entry>> {
-        match self.release_carrying(metrics, records).await {
-            (_, None) => Ok(()),
-            (_, Some(unsaved)) => Err(unsaved),
-        }
-    }
-
-    /// Releases with `records`; returns whether the lock was still held, and the records when
-    /// the round trip failed (none of them is known to be stored).
-    async fn release_carrying(mut self, metrics: &Metrics, records: Vec<Entry>) -> (bool, Option<Vec<Entry>>) {
+    /// Stores `records` (what was committed under the lock; only for a backend that
+    /// [`Locks::carries_records`]), settles the commit slot taken under this lease (`slot`),
+    /// and gives the lock back, in one round trip. A failure counts as neither given back:
+    /// both expire by themselves.
+    pub async fn release_with(mut self, metrics: &Metrics, records: Vec<Entry>, slot: Option<SlotRelease>) -> Released {
         self.released = true;
         if let Some(r) = self.renewal.take() {
             r.abort();
         }
         metrics.lock_held(self.acquired.elapsed());
-        let result = self.locks.release_key_with(&self.key, &self.token, &records).await;
+        let result = self
+            .locks
+            .release_key_with(&self.key, &self.token, &records, slot.as_ref())
+            .await;
         if result.is_err() && !records.is_empty() {
             tracing::warn!(
                 key = %self.key,
@@ -518,11 +568,30 @@ impl Lease {
         }
         self.locks.held().remove(&self.key);
         match result {
-            Ok(held) => (held, None),
+            Ok(released) => {
+                if let (false, Some(slot)) = (released.slot, &slot) {
+                    tracing::error!(
+                        slot = %slot.scope.slot(),
+                        "the write-back outlived its commit slot: a write of another turn may have been ordered before it landed"
+                    );
+                }
+                released
+            }
             Err(error) => {
                 self.locks.release_failed();
                 tracing::warn!(key = %self.key, %error, "lock release failed; it expires with its lease");
-                (false, (!records.is_empty()).then_some(records))
+                if let Some(slot) = &slot {
+                    tracing::warn!(
+                        slot = %slot.scope.slot(),
+                        "commit slot not given back; the document's next write waits until it expires"
+                    );
+                    self.locks.release_later(&self.key, &self.token, slot);
+                }
+                Released {
+                    lock: false,
+                    slot: false,
+                    unsaved: records,
+                }
             }
         }
     }

@@ -12,7 +12,7 @@ use redis::aio::PubSubSink;
 use redis::Script;
 use tokio::sync::{mpsc, Notify};
 
-use super::{Attempt, LockError, LockSettings, Settled, Slot, Wake};
+use super::{Attempt, LockError, LockSettings, Released, Settled, Slot, SlotRelease, Wake};
 use crate::metrics::Metrics;
 use crate::redis_conn::Entry;
 use crate::redis_conn::RedisConn;
@@ -23,7 +23,6 @@ struct Scripts {
     release: Script,
     renew: Script,
     slot_take: Script,
-    slot_release: Script,
 }
 
 pub struct RedisLocks {
@@ -80,7 +79,6 @@ impl RedisLocks {
                 release: Script::new(include_str!("scripts/release.lua")),
                 renew: Script::new(include_str!("scripts/renew.lua")),
                 slot_take: Script::new(include_str!("scripts/slot_take.lua")),
-                slot_release: Script::new(include_str!("scripts/slot_release.lua")),
             },
             watchers,
             subscriptions: tx,
@@ -108,43 +106,63 @@ impl RedisLocks {
         fence_key: &str,
         token: &str,
         waiter: &str,
+        slot: Option<&Scope>,
     ) -> Result<Attempt, LockError> {
         let lease_ms = self.settings.lease.as_millis() as u64;
         let (queue, expiries) = (format!("{key}:waiters"), format!("{key}:waiting"));
         let waiter_ttl_ms = super::WAITER_TTL.as_millis() as u64;
         let counter_ttl_ms = self.settings.key_ttl.as_millis() as u64;
+        let slot_ms = self.settings.slot_ttl.as_millis() as u64;
+        let slot_keys = slot.map(|scope| (scope.slot(), scope.turn_mark()));
         let script = &self.scripts.acquire;
         let conn = match &self.replica_wait {
             Some(w) => &w.conn,
             None => &self.conn,
         };
-        let reply: (i64, i64) = conn
-            .run(|mut c| async move {
-                script
-                    .key(key)
-                    .key(fence_key)
-                    .key(&queue)
-                    .key(&expiries)
-                    .arg(token)
-                    .arg(lease_ms)
-                    .arg(counter_ttl_ms)
-                    .arg(waiter)
-                    .arg(waiter_ttl_ms)
-                    .invoke_async(&mut c)
-                    .await
+        let reply: Vec<i64> = conn
+            .run(|mut c| {
+                let slot_keys = &slot_keys;
+                async move {
+                    let mut invocation = script.key(key);
+                    invocation.key(fence_key).key(&queue).key(&expiries);
+                    if let Some((slot, mark)) = slot_keys {
+                        invocation.key(slot).key(mark);
+                    }
+                    invocation
+                        .arg(token)
+                        .arg(lease_ms)
+                        .arg(counter_ttl_ms)
+                        .arg(waiter)
+                        .arg(waiter_ttl_ms)
+                        .arg(slot_ms)
+                        .invoke_async(&mut c)
+                        .await
+                }
             })
             .await
             .map_err(backend)?;
-        if let (Some(w), (1, _)) = (&self.replica_wait, reply) {
-            self.wait_for_replicas(w, key, token).await?;
+        let granted = reply.first() == Some(&1);
+        if let (Some(w), true) = (&self.replica_wait, granted) {
+            self.wait_for_replicas(w, key, token, slot).await?;
         }
-        Ok(match reply {
-            (1, fence) => Attempt::Granted {
-                fence: fence.max(0) as u64,
-            },
-            (_, pttl) => Attempt::Held {
-                remaining: Duration::from_millis(pttl.max(1) as u64),
-            },
+        let second = reply.get(1).copied().unwrap_or(0);
+        if !granted {
+            return Ok(Attempt::Held {
+                remaining: Duration::from_millis(second.max(1) as u64),
+            });
+        }
+        let slot = match (slot, reply.get(2), reply.get(3)) {
+            (None, ..) => None,
+            (Some(_), Some(1), Some(&mark)) => Some(Slot::Taken {
+                turn_mark: mark.max(0) as u64,
+            }),
+            (Some(_), _, pttl) => Some(Slot::InFlight {
+                remaining: Duration::from_millis(pttl.copied().unwrap_or(1).max(1) as u64),
+            }),
+        };
+        Ok(Attempt::Granted {
+            fence: second.max(0) as u64,
+            slot,
         })
     }
 
@@ -162,7 +180,13 @@ impl RedisLocks {
 
     /// Waits until the grant just made on `w.conn` reached enough replicas; gives it back
     /// when it did not, so that no write is made under a grant a failover could forget.
-    async fn wait_for_replicas(&self, w: &ReplicaWait, key: &str, token: &str) -> Result<(), LockError> {
+    async fn wait_for_replicas(
+        &self,
+        w: &ReplicaWait,
+        key: &str,
+        token: &str,
+        slot: Option<&Scope>,
+    ) -> Result<(), LockError> {
         let (replicas, timeout_ms) = (w.replicas, w.timeout.as_millis() as u64);
         let acked: Result<i64, redis::RedisError> = w
             .conn
@@ -173,7 +197,13 @@ impl RedisLocks {
             Ok(n) => n.to_string(),
             Err(e) => e.to_string(),
         };
-        if let Err(e) = self.release(key, token, &[]).await {
+        // The commit slot the grant may have taken goes back with it.
+        let slot = slot.map(|scope| SlotRelease {
+            scope: scope.clone(),
+            settled: Settled::Unchanged,
+            give_back: true,
+        });
+        if let Err(e) = self.release(key, token, &[], slot.as_ref()).await {
             tracing::warn!(%key, error = %e, "unacknowledged grant not given back; it expires with its lease");
         }
         Err(LockError::Backend(format!(
@@ -217,34 +247,86 @@ impl RedisLocks {
         Ok(held == 1)
     }
 
-    /// Stores `records`, then releases, in one round trip (see `release.lua`).
-    pub(super) async fn release(&self, key: &str, token: &str, records: &[Entry]) -> Result<bool, LockError> {
+    /// Stores `records` and settles `slot`, then releases, in one round trip (see
+    /// `release.lua`). Sent once more when the connection is cut under it (the script is safe
+    /// to run twice), so a cut connection does not leave the document's commit slot to expire.
+    pub(super) async fn release(
+        &self,
+        key: &str,
+        token: &str,
+        records: &[Entry],
+        slot: Option<&SlotRelease>,
+    ) -> Result<Released, LockError> {
+        self.release_sending(key, token, records, slot, false).await
+    }
+
+    /// [`Self::release`] sent again later, after its first sending failed (it may have run):
+    /// the turn mark changes only while the slot is still this owner's. No records.
+    pub(super) async fn release_again(
+        &self,
+        key: &str,
+        token: &str,
+        slot: &SlotRelease,
+    ) -> Result<Released, LockError> {
+        self.release_sending(key, token, &[], Some(slot), true).await
+    }
+
+    async fn release_sending(
+        &self,
+        key: &str,
+        token: &str,
+        records: &[Entry],
+        slot: Option<&SlotRelease>,
+        sent_before: bool,
+    ) -> Result<Released, LockError> {
         let channel = self.keys.released(key);
-        let sharded = self.conn.is_cluster();
+        // On a cluster the release is announced on the session's shard only.
+        let publish = if self.conn.is_cluster() { "SPUBLISH" } else { "PUBLISH" };
+        let key_ms = self.settings.key_ttl.as_millis() as u64;
+        let slot_keys = slot.map(|s| (s.scope.slot(), s.scope.turn_mark()));
+        let mode = slot.map_or("", |s| if s.give_back { "give" } else { "keep" });
+        let settled = slot.map_or(Settled::Unchanged, |s| s.settled).as_arg();
+        let sendings = AtomicUsize::new(usize::from(sent_before));
         let script = &self.scripts.release;
-        let released: i64 = self
+        let ((lock, given), resent): ((i64, i64), bool) = self
             .conn
-            .run(|mut c| async move {
-                let mut invocation = script.key(key);
-                for r in records {
-                    invocation.key(&r.key);
-                }
-                invocation.arg(token).arg(&channel);
-                for r in records {
+            .run_resent(|mut c| {
+                let (slot_keys, channel, sendings) = (&slot_keys, &channel, &sendings);
+                async move {
+                    let resent = sendings.fetch_add(1, Ordering::SeqCst) > 0;
+                    let mut invocation = script.key(key);
+                    if let Some((slot, mark)) = slot_keys {
+                        invocation.key(slot).key(mark);
+                    }
+                    for r in records {
+                        invocation.key(&r.key);
+                    }
                     invocation
-                        .arg(r.value.as_ref())
-                        .arg(r.ttl.as_millis() as u64)
-                        .arg(r.expect.as_deref().unwrap_or_default());
+                        .arg(token)
+                        .arg(channel)
+                        .arg(publish)
+                        .arg(mode)
+                        .arg(settled)
+                        .arg(key_ms)
+                        .arg(if resent { "1" } else { "0" });
+                    for r in records {
+                        invocation
+                            .arg(r.value.as_ref())
+                            .arg(r.ttl.as_millis() as u64)
+                            .arg(r.expect.as_deref().unwrap_or_default());
+                    }
+                    invocation.invoke_async(&mut c).await
                 }
-                if sharded {
-                    // On a cluster the release is announced on the session's shard only.
-                    invocation.arg("SPUBLISH");
-                }
-                invocation.invoke_async(&mut c).await
             })
             .await
             .map_err(backend)?;
-        Ok(released == 1)
+        // Sent again after a cut connection, "not held" most likely means the first sending
+        // gave it back before the cut: not a write-back that outlived its slot.
+        Ok(Released {
+            lock: lock == 1,
+            slot: given == 1 || resent,
+            unsaved: Vec::new(),
+        })
     }
 
     pub(super) async fn take_slot(&self, lock_key: &str, token: &str, scope: &Scope) -> Result<Slot, LockError> {
@@ -279,32 +361,6 @@ impl RedisLocks {
                 remaining: Duration::from_millis(pttl.max(1) as u64),
             },
         })
-    }
-
-    pub(super) async fn release_slot(&self, token: &str, scope: &Scope, settled: Settled) -> Result<bool, LockError> {
-        let key_ms = self.settings.key_ttl.as_millis() as u64;
-        let (slot, mark) = (scope.slot(), scope.turn_mark());
-        let script = &self.scripts.slot_release;
-        let (released, resent): (i64, bool) = self
-            .conn
-            .run_resent(|mut c| {
-                let (slot, mark) = (&slot, &mark);
-                async move {
-                    script
-                        .key(slot)
-                        .key(mark)
-                        .arg(token)
-                        .arg(settled.as_arg())
-                        .arg(key_ms)
-                        .invoke_async(&mut c)
-                        .await
-                }
-            })
-            .await
-            .map_err(backend)?;
-        // Sent again after a cut connection, "not held" most likely means the first attempt
-        // gave it back before the cut: not a write-back that outlived its slot.
-        Ok(released == 1 || resent)
     }
 
     pub(super) async fn ping(&self) -> Result<(), LockError> {

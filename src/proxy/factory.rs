@@ -36,7 +36,7 @@ impl ProxyFactory {
             self.upstream_ca.as_deref(),
         )?;
         Ok(match self.routes.signing() {
-            Some(s) => upstream.with_signer(crate::upstream::Signer::new(&s.region, &s.service)),
+            Some(s) => upstream.with_signer(crate::upstream::Signer::from_env(&s.region, &s.service)?),
             None => upstream,
         })
     }

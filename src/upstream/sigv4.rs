@@ -1,8 +1,11 @@
 //! AWS Signature Version 4 for turnlock's own requests to an S3-compatible store (its read and
-//! its write-back), with the `aws-sigv4` crate. Credentials come from the usual environment
-//! variables (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`), read at each
-//! request so that a rotated set is used as soon as the environment has it.
+//! its write-back), with the `aws-sigv4` crate. Credentials come from the usual sources, in
+//! the AWS SDKs' order: the environment variables (`AWS_ACCESS_KEY_ID`,
+//! `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`), read at each request so that a rotated set is
+//! used as soon as the environment has it; else a web identity token file, as on EKS
+//! (`AWS_WEB_IDENTITY_TOKEN_FILE`, `AWS_ROLE_ARN`: see [`super::web_identity`]).
 
+use std::sync::Arc;
 use std::time::SystemTime;
 
 use aws_credential_types::Credentials;
@@ -14,6 +17,8 @@ use aws_sigv4::sign::v4;
 use aws_smithy_runtime_api::client::identity::Identity;
 use http::Request;
 
+use super::web_identity::{WebIdentity, WebIdentityConfig};
+
 /// Headers that carry a client's own signature: replaced by turnlock's.
 const SIGNATURE_HEADERS: [&str; 4] = [
     "authorization",
@@ -23,38 +28,77 @@ const SIGNATURE_HEADERS: [&str; 4] = [
 ];
 
 /// Signs requests for one region and service (`s3`).
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct Signer {
     region: String,
     service: String,
+    /// Credentials for a role, from a web identity token, when the environment names one.
+    web_identity: Option<Arc<WebIdentity>>,
+}
+
+impl std::fmt::Debug for Signer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Signer")
+            .field("region", &self.region)
+            .field("service", &self.service)
+            .field("web_identity", &self.web_identity.is_some())
+            .finish()
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
 pub enum SignError {
-    #[error("no AWS credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN for temporary ones)")]
+    #[error("no AWS credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN for temporary ones), or AWS_WEB_IDENTITY_TOKEN_FILE and AWS_ROLE_ARN")]
     NoCredentials,
+    #[error("{0}")]
+    WebIdentity(String),
     #[error("cannot sign the request: {0}")]
     Signing(String),
 }
 
 impl Signer {
+    /// A signer with credentials from the environment variables only.
     pub fn new(region: &str, service: &str) -> Self {
         Self {
             region: region.to_owned(),
             service: service.to_owned(),
+            web_identity: None,
         }
     }
 
-    fn credentials() -> Result<Credentials, SignError> {
+    /// A signer with credentials from the usual sources: the environment variables, else a
+    /// web identity token file when the environment names one (its credentials are then
+    /// fetched at once, and refreshed before they expire).
+    pub fn from_env(region: &str, service: &str) -> Result<Self, String> {
+        let web_identity = match WebIdentityConfig::from_env(region) {
+            Some(config) => {
+                let provider = WebIdentity::shared(config)?;
+                provider.start();
+                Some(provider)
+            }
+            None => None,
+        };
+        Ok(Self {
+            web_identity,
+            ..Self::new(region, service)
+        })
+    }
+
+    fn credentials(&self) -> Result<Credentials, SignError> {
         let var = |name| std::env::var(name).ok().filter(|v| !v.is_empty());
-        match (var("AWS_ACCESS_KEY_ID"), var("AWS_SECRET_ACCESS_KEY")) {
-            (Some(id), Some(secret)) => Ok(Credentials::new(
+        match (
+            var("AWS_ACCESS_KEY_ID"),
+            var("AWS_SECRET_ACCESS_KEY"),
+            &self.web_identity,
+        ) {
+            (Some(id), Some(secret), _) => Ok(Credentials::new(
                 id,
                 secret,
                 var("AWS_SESSION_TOKEN"),
                 None,
                 "environment",
             )),
+            (_, _, Some(web_identity)) => web_identity.credentials().map_err(SignError::WebIdentity),
             _ => Err(SignError::NoCredentials),
         }
     }
@@ -75,7 +119,7 @@ impl Signer {
         for name in SIGNATURE_HEADERS {
             req.headers_mut().remove(name);
         }
-        let identity: Identity = Self::credentials()?.into();
+        let identity: Identity = self.credentials()?.into();
         let mut settings = SigningSettings::default();
         // S3's rules: the payload hash is sent and signed, the path is neither normalized nor
         // encoded twice.

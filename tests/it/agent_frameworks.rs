@@ -7,42 +7,17 @@
 
 use serde_json::Value;
 
-use crate::real_stores::sidecar_process;
-use crate::support::third_party::{moto_server, moto_server_with, run_python, run_python_env, Server};
-use crate::support::{proxy, proxy_args, RedisServer};
+use crate::support::third_party::{
+    aws_env, moto_server, moto_server_with, routes_file, run_python, run_python_env, sidecar_process, sidecars, signed,
+    Server,
+};
+use crate::support::RedisServer;
 
 /// The shipped routes file, used as a user uses it (its bucket is `agent-sessions`, its
 /// prefix `strands`).
 const STRANDS_ROUTES: &str = include_str!("../../deploy/routes/strands-s3.toml");
 const BUCKET: &str = "agent-sessions";
 const ROUNDS: usize = 5;
-
-fn aws_env() {
-    std::env::set_var("AWS_ACCESS_KEY_ID", "testing");
-    std::env::set_var("AWS_SECRET_ACCESS_KEY", "testing");
-}
-
-/// One sidecar per replica in front of `store`, sharing `redis`, serving `routes`.
-async fn sidecars(
-    store: &Server,
-    redis: &RedisServer,
-    routes: &tempfile::NamedTempFile,
-    n: usize,
-) -> Vec<turnlock::sidecar::Running> {
-    let mut out = Vec::new();
-    for _ in 0..n {
-        let mut args = proxy_args(format!("127.0.0.1:{}", store.port).parse().expect("addr"), Some(redis));
-        args.routes = Some(routes.path().display().to_string());
-        out.push(proxy(args).await);
-    }
-    out
-}
-
-fn routes_file(text: &str) -> tempfile::NamedTempFile {
-    let file = tempfile::NamedTempFile::new().expect("temp file");
-    std::fs::write(file.path(), text).expect("write routes");
-    file
-}
 
 async fn python(args: Vec<String>) -> Value {
     tokio::task::spawn_blocking(move || {
@@ -169,10 +144,7 @@ async fn strands_replicas_on_a_private_bucket_through_signing_sidecars_lose_no_m
             creds["secret"].as_str().expect("secret").to_owned(),
         ),
     ];
-    let signed = routes_file(&STRANDS_ROUTES.replace(
-        "dialect = \"s3\"",
-        "dialect = \"s3\"\nsigv4 = { region = \"us-east-1\" }",
-    ));
+    let signed = routes_file(&signed(STRANDS_ROUTES));
     let (_a, a) = sidecar_process(&moto, &redis, &signed, &env);
     let (_b, b) = sidecar_process(&moto, &redis, &signed, &env);
     let args = [

@@ -5,59 +5,11 @@ use std::collections::{HashMap, HashSet};
 
 use serde_json::Value;
 
-use crate::support::third_party::{moto_server, moto_server_with, pouchdb_server, run_python, run_python_env, Server};
-use crate::support::{free_port, proxy, proxy_args, turnlock_bin, wait_for_port, Proc, RedisServer};
-
-/// A ready routes file for S3 session objects: turnlock's own reads and write-backs carry the
-/// client's credentials.
-const S3_ROUTES: &str = r#"
-[store]
-dialect = "s3"
-
-[[route]]
-method = "PUT"
-path = "/{bucket}/sessions/{session}.json"
-mode = "merge"
-kind = "put"
-document = "/{bucket}/sessions/{session}.json"
-turn = { body = "/turn", optional = true }
-"#;
-
-/// The same, with turnlock signing its own requests (SigV4, credentials from the environment).
-fn s3_signed_routes() -> String {
-    S3_ROUTES.replace(
-        "dialect = \"s3\"",
-        "dialect = \"s3\"\nsigv4 = { region = \"us-east-1\" }",
-    )
-}
-
-/// The credentials the agents and the sidecars use (moto accepts any).
-fn aws_env() {
-    std::env::set_var("AWS_ACCESS_KEY_ID", "testing");
-    std::env::set_var("AWS_SECRET_ACCESS_KEY", "testing");
-}
-
-fn routes_file(text: &str) -> tempfile::NamedTempFile {
-    let file = tempfile::NamedTempFile::new().expect("temp file");
-    std::fs::write(file.path(), text).expect("write routes");
-    file
-}
-
-/// `n` sidecars in front of `store`, sharing `redis`, serving `routes`.
-async fn sidecars(
-    store: &Server,
-    redis: &RedisServer,
-    routes: &tempfile::NamedTempFile,
-    n: usize,
-) -> Vec<turnlock::sidecar::Running> {
-    let mut out = Vec::new();
-    for _ in 0..n {
-        let mut args = proxy_args(format!("127.0.0.1:{}", store.port).parse().expect("addr"), Some(redis));
-        args.routes = Some(routes.path().display().to_string());
-        out.push(proxy(args).await);
-    }
-    out
-}
+use crate::support::third_party::{
+    aws_env, moto_server, moto_server_with, pouchdb_server, routes_file, run_python, run_python_env, sidecar_process,
+    sidecars, signed, Server, COUCHDB_ROUTES, S3_ROUTES,
+};
+use crate::support::RedisServer;
 
 async fn python(script: &'static str, args: Vec<String>) -> Value {
     tokio::task::spawn_blocking(move || {
@@ -75,7 +27,7 @@ fn strings(v: &Value) -> Vec<String> {
 }
 
 /// What the agents were told, against what the store holds: (acked, lost, duplicated).
-fn tally(run: &Value, stored: &Value) -> (usize, Vec<String>, Vec<String>) {
+pub(crate) fn tally(run: &Value, stored: &Value) -> (usize, Vec<String>, Vec<String>) {
     let acked = strings(&run["acked"]);
     let ids: Vec<String> = stored["doc"]["messages"]
         .as_array()
@@ -107,7 +59,7 @@ async fn boto3_agents_through_signing_sidecars_lose_nothing_and_see_no_error() {
     aws_env();
     let moto = moto_server();
     let redis = RedisServer::start();
-    let routes = routes_file(&s3_signed_routes());
+    let routes = routes_file(&signed(S3_ROUTES));
     let proxies = sidecars(&moto, &redis, &routes, 3).await;
     let endpoints: Vec<String> = proxies.iter().map(|p| format!("http://{}", p.addr)).collect();
     let (bucket, key) = ("agents", "sessions/s-1.json");
@@ -222,18 +174,6 @@ async fn s3_if_match_headers_and_answers_work_through_the_sidecar() {
 }
 
 /// A ready routes file for a CouchDB-style store: one document per session in database `{db}`.
-const COUCHDB_ROUTES: &str = r#"
-[store]
-dialect = "couchdb"
-
-[[route]]
-method = "PUT"
-path = "/{db}/{session}"
-mode = "merge"
-kind = "put"
-turn = { body = "/turn", optional = true }
-"#;
-
 /// Creates database `db` and the session document `doc` (through `seed`).
 async fn couch_setup(store: &Server, seed: &str, db: &str, doc: &str) {
     let direct = turnlock::client::JsonClient::new(store.url());
@@ -340,38 +280,6 @@ async fn couchdb_agents_straight_to_the_store_lose_writes() {
     );
 }
 
-/// A `turnlock proxy` process in front of `store` with `routes`, and the AWS credentials in
-/// its environment; returns it and its address.
-pub(crate) fn sidecar_process(
-    store: &Server,
-    redis: &RedisServer,
-    routes: &tempfile::NamedTempFile,
-    env: &[(String, String)],
-) -> (Proc, String) {
-    let (port, admin) = (free_port(), free_port());
-    let child = std::process::Command::new(turnlock_bin())
-        .args([
-            "proxy",
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-            "--admin",
-            &format!("127.0.0.1:{admin}"),
-        ])
-        .args(["--upstream", &store.url(), "--redis", &redis.url()])
-        .arg("--routes")
-        .arg(routes.path())
-        .env_remove("AWS_SESSION_TOKEN")
-        .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-        .env("RUST_LOG", "warn")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("spawn turnlock");
-    let proc = Proc { child };
-    wait_for_port(port, std::time::Duration::from_secs(20));
-    (proc, format!("http://127.0.0.1:{port}"))
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_private_bucket_is_written_through_sidecars_that_sign_their_own_requests() {
     // moto checks every request's signature once the IAM user is made.
@@ -393,7 +301,7 @@ async fn a_private_bucket_is_written_through_sidecars_that_sign_their_own_reques
             creds["secret"].as_str().expect("secret").to_owned(),
         ),
     ];
-    let signed_routes = routes_file(&s3_signed_routes());
+    let signed_routes = routes_file(&signed(S3_ROUTES));
     let (_a, a) = sidecar_process(&moto, &redis, &signed_routes, &env);
     let (_b, b) = sidecar_process(&moto, &redis, &signed_routes, &env);
     let py = |args: Vec<String>, env: Vec<(String, String)>| {

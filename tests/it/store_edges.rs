@@ -7,44 +7,14 @@ use http::Method;
 use serde_json::{json, Value};
 use turnlock::client::JsonClient;
 
-use crate::support::third_party::{moto_server, pouchdb_server, run_python, Server};
+use crate::support::third_party::{
+    moto_server, pouchdb_server, routes_file, run_python, sidecars, Server, COUCHDB_ROUTES, S3_ROUTES,
+};
 use crate::support::{proxy, proxy_args, RedisServer};
 
-const S3_ROUTES: &str = r#"
-[store]
-dialect = "s3"
-
-[[route]]
-method = "PUT"
-path = "/{bucket}/sessions/{session}.json"
-mode = "merge"
-kind = "put"
-document = "/{bucket}/sessions/{session}.json"
-turn = { body = "/turn", optional = true }
-"#;
-
-const COUCHDB_ROUTES: &str = r#"
-[store]
-dialect = "couchdb"
-
-[[route]]
-method = "PUT"
-path = "/{db}/{session}"
-mode = "merge"
-kind = "put"
-turn = { body = "/turn", optional = true }
-"#;
-
-fn routes_file(text: &str) -> tempfile::NamedTempFile {
-    let file = tempfile::NamedTempFile::new().expect("temp file");
-    std::fs::write(file.path(), text).expect("write routes");
-    file
-}
-
+/// One sidecar in front of `store`.
 async fn sidecar(store: &Server, redis: &RedisServer, routes: &tempfile::NamedTempFile) -> turnlock::sidecar::Running {
-    let mut args = proxy_args(format!("127.0.0.1:{}", store.port).parse().expect("addr"), Some(redis));
-    args.routes = Some(routes.path().display().to_string());
-    proxy(args).await
+    sidecars(store, redis, routes, 1).await.remove(0)
 }
 
 /// Runs one case of `s3_edges.py` through a sidecar in front of a fresh moto server.

@@ -50,6 +50,72 @@ fn run(program: &str, args: &[&str]) -> Output {
     out
 }
 
+/// The address family a lab's store is reached over.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Family {
+    V4,
+    V6,
+}
+
+/// What an interception lab of either address family needs first: root, the tools, the
+/// namespaces (with IPv6 addresses on the veth pair for [`Family::V6`]), the reference store
+/// on the store host and Redis on the pod's loopback, both ready. Returns the lab, turnlock's
+/// binary and the store's URL; the sidecar comes with [`Lab::transparent_sidecar`].
+fn store_lab(tag: &str, family: Family) -> (Lab, String, String) {
+    assert_eq!(
+        nix_euid(),
+        0,
+        "this test creates network namespaces and nat rules: run it as root"
+    );
+    require("ip", &["-V"]);
+    match family {
+        Family::V4 => require("iptables-restore", &["--version"]),
+        Family::V6 => require("ip6tables-restore", &["--version"]),
+    }
+    require("setpriv", &["--version"]);
+    require("curl", &["--version"]);
+    require("redis-cli", &["--version"]);
+    let redis = crate::support::redis_server_bin();
+    let bin = crate::support::turnlock_bin().to_str().expect("utf-8 path").to_owned();
+
+    let mut lab = Lab::create(tag);
+    let (pod, store) = (lab.pod.clone(), lab.store.clone());
+    let listen = match family {
+        Family::V4 => format!("{STORE_IP}:{STORE_PORT}"),
+        Family::V6 => {
+            for (ns, dev, ip) in [(&pod, lab.veth_pod(), POD_IP6), (&store, lab.veth_store(), STORE_IP6)] {
+                run(
+                    "ip",
+                    &["-n", ns, "addr", "add", &format!("{ip}/64"), "dev", &dev, "nodad"],
+                );
+            }
+            format!("[{STORE_IP6}]:{STORE_PORT}")
+        }
+    };
+    let store_url = format!("http://{listen}");
+    // The store, on its own host.
+    lab.spawn(&store, &[], &bin, &["store", "--listen", &listen]);
+    lab.pod_redis(&redis);
+    lab.wait_for(&format!("{store_url}/v1/sessions/probe"));
+    (lab, bin, store_url)
+}
+
+/// An agent's append of message `id` at `turn` to session `session` on `store_url`, sent by
+/// curl in the pod: (status, body).
+fn append(lab: &Lab, store_url: &str, session: &str, turn: u64, id: &str) -> (u16, String) {
+    let body = json!({"turn": turn, "messages": [{"id": id, "role": "user", "content": format!("turn {turn}")}]});
+    lab.curl(&[
+        "-g",
+        "-X",
+        "POST",
+        "-H",
+        "content-type: application/json",
+        "--data",
+        &body.to_string(),
+        &format!("{store_url}/v1/sessions/{session}/messages"),
+    ])
+}
+
 /// The two namespaces and the processes started in them; all removed on drop.
 struct Lab {
     pod: String,
@@ -108,6 +174,56 @@ impl Lab {
     }
 
     /// Kills the process started with `pid`.
+    /// Redis on the pod's loopback (the lock path is the usual one).
+    fn pod_redis(&mut self, redis: &str) {
+        let pod = self.pod.clone();
+        self.spawn(
+            &pod,
+            &[],
+            redis,
+            &[
+                "--port",
+                &REDIS_PORT.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ],
+        );
+    }
+
+    /// The sidecar in the pod, as its own user, in transparent mode (listening on 127.0.0.1,
+    /// and so on [::1]), with Redis on the pod's loopback; returns once it is ready.
+    fn transparent_sidecar(&mut self, bin: &str) {
+        let pod = self.pod.clone();
+        self.spawn(
+            &pod,
+            &[
+                "setpriv",
+                "--reuid",
+                PROXY_UID,
+                "--regid",
+                PROXY_UID,
+                "--clear-groups",
+                "--",
+            ],
+            bin,
+            &[
+                "proxy",
+                "--transparent",
+                "--listen",
+                &format!("127.0.0.1:{PROXY_PORT}"),
+                "--admin",
+                &format!("127.0.0.1:{ADMIN_PORT}"),
+                "--redis",
+                &format!("redis://127.0.0.1:{REDIS_PORT}"),
+            ],
+        );
+        self.wait_for(&format!("http://127.0.0.1:{ADMIN_PORT}/readyz"));
+    }
+
     fn kill(&mut self, pid: u32) {
         if let Some(i) = self.children.iter().position(|c| c.id() == pid) {
             let mut c = self.children.remove(i);
@@ -165,62 +281,11 @@ impl Drop for Lab {
 
 #[test]
 fn agent_store_traffic_is_intercepted_without_the_agent_knowing() {
-    assert_eq!(
-        nix_euid(),
-        0,
-        "this test creates network namespaces and nat rules: run it as root"
-    );
-    require("ip", &["-V"]);
-    require("iptables-restore", &["--version"]);
-    require("setpriv", &["--version"]);
-    require("curl", &["--version"]);
-    require("redis-cli", &["--version"]);
-    let redis = crate::support::redis_server_bin();
-    let bin = crate::support::turnlock_bin();
-    let bin = bin.to_str().expect("utf-8 path");
-
-    let mut lab = Lab::create("a");
-    let (pod, store) = (lab.pod.clone(), lab.store.clone());
-    let store_url = format!("http://{STORE_IP}:{STORE_PORT}");
-
-    // The store, on its own host.
-    lab.spawn(
-        &store,
-        &[],
-        bin,
-        &["store", "--listen", &format!("{STORE_IP}:{STORE_PORT}")],
-    );
-    // Redis, in the pod (loopback): the lock path is the usual one.
-    lab.spawn(
-        &pod,
-        &[],
-        &redis,
-        &[
-            "--port",
-            &REDIS_PORT.to_string(),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ],
-    );
-    lab.wait_for(&format!("{store_url}/v1/sessions/probe"));
-
+    let (mut lab, bin, store_url) = store_lab("a", Family::V4);
+    let bin = bin.as_str();
+    let pod = lab.pod.clone();
     // Before the rules, the agent reaches the store itself, which has no append endpoint.
-    let append = |lab: &Lab, turn: u64, id: &str| {
-        let body = json!({"turn": turn, "messages": [{"id": id, "role": "user", "content": format!("turn {turn}")}]});
-        lab.curl(&[
-            "-X",
-            "POST",
-            "-H",
-            "content-type: application/json",
-            "--data",
-            &body.to_string(),
-            &format!("{store_url}/v1/sessions/s-1/messages"),
-        ])
-    };
+    let append = |lab: &Lab, turn: u64, id: &str| append(lab, &store_url, "s-1", turn, id);
     let (direct, body) = append(&lab, 1, "m-1");
     assert!(
         !(200..300).contains(&direct),
@@ -228,30 +293,7 @@ fn agent_store_traffic_is_intercepted_without_the_agent_knowing() {
     );
 
     // The sidecar, as its own user, in transparent mode; then the pod's nat rules.
-    lab.spawn(
-        &pod,
-        &[
-            "setpriv",
-            "--reuid",
-            PROXY_UID,
-            "--regid",
-            PROXY_UID,
-            "--clear-groups",
-            "--",
-        ],
-        bin,
-        &[
-            "proxy",
-            "--transparent",
-            "--listen",
-            &format!("127.0.0.1:{PROXY_PORT}"),
-            "--admin",
-            &format!("127.0.0.1:{ADMIN_PORT}"),
-            "--redis",
-            &format!("redis://127.0.0.1:{REDIS_PORT}"),
-        ],
-    );
-    lab.wait_for(&format!("http://127.0.0.1:{ADMIN_PORT}/readyz"));
+    lab.transparent_sidecar(bin);
     run(
         "ip",
         &[
@@ -413,21 +455,7 @@ fn many_destinations_the_host_header_and_non_http_traffic_are_served_and_a_loop_
             "no",
         ],
     );
-    lab.spawn(
-        &pod,
-        &[],
-        &redis,
-        &[
-            "--port",
-            &REDIS_PORT.to_string(),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ],
-    );
+    lab.pod_redis(&redis);
     lab.wait_for(&format!("http://{STORE_IP}:{STORE_PORT}/"));
     let routes = std::env::temp_dir().join(format!("{pod}.routes.toml"));
     std::fs::write(
@@ -614,89 +642,13 @@ const STORE_IP6: &str = "2001:db8::2";
 /// refuses to run there.
 #[test]
 fn ipv6_store_traffic_is_intercepted_and_forwarded_to_its_original_destination() {
-    assert_eq!(
-        nix_euid(),
-        0,
-        "this test creates network namespaces and nat rules: run it as root"
-    );
-    require("ip", &["-V"]);
-    require("ip6tables-restore", &["--version"]);
-    require("setpriv", &["--version"]);
-    require("curl", &["--version"]);
-    let redis = crate::support::redis_server_bin();
-    let bin = crate::support::turnlock_bin();
-    let bin = bin.to_str().expect("utf-8 path");
-
-    let mut lab = Lab::create("c");
-    let (pod, store) = (lab.pod.clone(), lab.store.clone());
-    for (ns, dev, ip) in [(&pod, lab.veth_pod(), POD_IP6), (&store, lab.veth_store(), STORE_IP6)] {
-        run(
-            "ip",
-            &["-n", ns, "addr", "add", &format!("{ip}/64"), "dev", &dev, "nodad"],
-        );
-    }
-    let store_url = format!("http://[{STORE_IP6}]:{STORE_PORT}");
-    lab.spawn(
-        &store,
-        &[],
-        bin,
-        &["store", "--listen", &format!("[{STORE_IP6}]:{STORE_PORT}")],
-    );
-    lab.spawn(
-        &pod,
-        &[],
-        &redis,
-        &[
-            "--port",
-            &REDIS_PORT.to_string(),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ],
-    );
-    lab.wait_for(&format!("{store_url}/v1/sessions/probe"));
-    let append = |lab: &Lab, turn: u64, id: &str| {
-        let body = json!({"turn": turn, "messages": [{"id": id, "role": "user", "content": format!("turn {turn}")}]});
-        lab.curl(&[
-            "-g",
-            "-X",
-            "POST",
-            "-H",
-            "content-type: application/json",
-            "--data",
-            &body.to_string(),
-            &format!("{store_url}/v1/sessions/s-6/messages"),
-        ])
-    };
+    let (mut lab, bin, store_url) = store_lab("c", Family::V6);
+    let bin = bin.as_str();
+    let pod = lab.pod.clone();
+    let append = |lab: &Lab, turn: u64, id: &str| append(lab, &store_url, "s-6", turn, id);
 
     // The sidecar listens on 127.0.0.1 as usual (and so, in transparent mode, on [::1]).
-    lab.spawn(
-        &pod,
-        &[
-            "setpriv",
-            "--reuid",
-            PROXY_UID,
-            "--regid",
-            PROXY_UID,
-            "--clear-groups",
-            "--",
-        ],
-        bin,
-        &[
-            "proxy",
-            "--transparent",
-            "--listen",
-            &format!("127.0.0.1:{PROXY_PORT}"),
-            "--admin",
-            &format!("127.0.0.1:{ADMIN_PORT}"),
-            "--redis",
-            &format!("redis://127.0.0.1:{REDIS_PORT}"),
-        ],
-    );
-    lab.wait_for(&format!("http://127.0.0.1:{ADMIN_PORT}/readyz"));
+    lab.transparent_sidecar(bin);
     for _ in 0..2 {
         run(
             "ip",

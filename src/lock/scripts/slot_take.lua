@@ -4,6 +4,10 @@
 -- as long as a write-back can take (the store timeout plus a lease), so a slow write-back is
 -- never overtaken. A holder that vanished leaves it to expire.
 --
+-- A grant takes the slot with the lock (`acquire.lua`) and gives it back with the lock
+-- (`release.lua`); this script is for the rest: a grant that found another writer's commit in
+-- flight, and a holder extending its slot when a read took long.
+--
 -- KEYS[1]  the lock key this writer holds
 -- KEYS[2]  the document's commit slot   (<prefix>session:{<id>}:d<scope>:slot)
 -- KEYS[3]  the document's turn mark     (<prefix>session:{<id>}:d<scope>:turn)

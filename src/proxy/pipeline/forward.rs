@@ -21,29 +21,29 @@ use crate::upstream::FENCING_TOKEN;
 
 /// Serialize mode: each write is forwarded unchanged, one after another under the grant and
 /// under the resource's commit slot, after the stale check against turnlock's own turn mark.
-/// The mark is raised only by a write the store accepted; writes of other turns to the same
-/// resource, on any proxy, wait for the slot, so they reach the store one at a time.
+/// The mark is raised (with the lock's release) only by a write the store accepted, or may
+/// have; writes of other turns to the same resource, on any proxy, wait for the slot, so they
+/// reach the store one at a time.
 pub(super) async fn serialize_batch(
     s: &Shared,
     queue: &Queue<Forwarded>,
     lease: &Lease,
     batch: &[Pending<Forwarded>],
+    slot: &mut SlotHold,
 ) -> Vec<Answer> {
-    let mut slot = SlotHold::new(queue.scope.clone());
     let mut answers = Vec::with_capacity(batch.len());
+    // The slot is held from the first write to the lock's release, where the turn mark is
+    // raised: only this writer can move the mark meanwhile, and every write of the batch has
+    // the same turn, so the mark read with the slot serves the whole batch.
     for p in batch {
-        // Taken anew for each write: the turn mark is read with it.
-        slot.since = None;
-        let (answer, settled) = serialize_one(s, lease, queue, p, &mut slot).await;
+        let (answer, settled) = serialize_one(s, lease, queue, p, slot).await;
         match settled {
-            Some(settled) => slot.release(s, lease, settled).await,
+            Some(settled) => slot.settle(settled),
             // Unknown outcome: the slot expires by itself, after the write can have landed,
             // and the write's turn counts as accepted (it may be stored).
             None => {
-                slot.since = None;
-                if let Err(error) = s.locks.raise_turn_mark(&queue.scope, queue.turn).await {
-                    tracing::warn!(%error, "turn mark not raised after an unknown outcome");
-                }
+                slot.settle(Settled::Accepted(queue.turn));
+                slot.abandon();
             }
         }
         answers.push(answer);
@@ -162,15 +162,15 @@ pub(super) async fn delete_batch(
     queue: &Queue<HeaderMap>,
     lease: &Lease,
     batch: &[Pending<HeaderMap>],
+    slot: &mut SlotHold,
 ) -> Vec<Answer> {
-    let mut slot = SlotHold::new(queue.scope.clone());
     let mut answers = Vec::with_capacity(batch.len());
     for p in batch {
-        let (answer, settled) = delete_one(s, lease, &queue.path, p, &mut slot).await;
+        let (answer, settled) = delete_one(s, lease, &queue.path, p, slot).await;
         match settled {
-            Some(settled) => slot.release(s, lease, settled).await,
+            Some(settled) => slot.settle(settled),
             // Unknown outcome: the slot expires by itself, after the delete can have landed.
-            None => slot.since = None,
+            None => slot.abandon(),
         }
         answers.push(answer);
     }

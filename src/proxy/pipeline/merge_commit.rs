@@ -15,7 +15,7 @@ use super::slot::SlotHold;
 use super::store_fields;
 use super::{MergeWrite, Shared, MAX_ATTEMPTS};
 use crate::http::etag_for;
-use crate::lock::{Lease, Settled};
+use crate::lock::Lease;
 use crate::merge::{self, BatchDoc, DigestCache, Document, Finished, MergeError, Op, RandomIds, RawBatch, Snapshot};
 use crate::proxy::answer::Answer;
 use crate::proxy::error::WriteError;
@@ -30,13 +30,14 @@ pub(super) async fn merge_batch(
     lease: &Lease,
     batch: &[Pending<MergeWrite>],
     records: &mut Vec<Entry>,
+    slot: &mut SlotHold,
 ) -> Vec<Answer> {
-    let mut slot = SlotHold::new(queue.scope.clone());
-    let (answers, outcome_unknown) = merge_attempts(s, queue, lease, batch, records, &mut slot).await;
+    let (answers, outcome_unknown) = merge_attempts(s, queue, lease, batch, records, slot).await;
     // When the outcome is unknown the slot is left to expire: the write may still land, and
-    // no commit of this document is ordered after it until then.
-    if !outcome_unknown {
-        slot.release(s, lease, Settled::Unchanged).await;
+    // no commit of this document is ordered after it until then. Otherwise it goes back with
+    // the lock, the turn mark unchanged (a merged document carries its own turn).
+    if outcome_unknown {
+        slot.abandon();
     }
     answers
 }

@@ -16,7 +16,8 @@
 //! ordered by the document's commit slot in Redis (see `slot_take.lua`): taken before the
 //! read, given back once the store answered. Every write goes through it: the order of commits
 //! never rests on the store's `If-Match` alone (a store's ETag may be weak, its check not
-//! atomic with the write), which is checked on top.
+//! atomic with the write), which is checked on top. The grant takes the slot with the lock
+//! and the release gives both back, so an uncontended write costs two Redis round trips.
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -54,6 +55,7 @@ use self::forward::{delete_batch, serialize_batch};
 use self::idempotency::Claim;
 use self::merge_commit::merge_batch;
 use self::queue::{lock, Pending, Queue, QueueState};
+use self::slot::SlotHold;
 
 /// How many times a write re-reads the document under one grant after a concurrent writer
 /// of another turn moved it.
@@ -340,14 +342,16 @@ trait Committer: Sized + Send + Sync + 'static {
     const UNKNOWN_IS_FINAL: bool = false;
     /// The queues of this kind of write, by queue key.
     fn queues(s: &Shared) -> &DashMap<String, Arc<Queue<Self::Write>>>;
-    /// Commits a batch under the grant: one answer per write, in order; the records to store
-    /// before the lock is released are added to `records`.
+    /// Commits a batch under the grant and the document's commit `slot`: one answer per
+    /// write, in order; the records to store before the lock is released are added to
+    /// `records`, and what the store did is settled on `slot` (stored with the release).
     fn commit<'a>(
         s: &'a Shared,
         queue: &'a Queue<Self::Write>,
         lease: &'a Lease,
         batch: &'a [Pending<Self::Write>],
         records: &'a mut Vec<Entry>,
+        slot: &'a mut SlotHold,
     ) -> impl Future<Output = Vec<Answer>> + Send + 'a;
 }
 
@@ -387,8 +391,9 @@ impl Committer for MergeCommit {
         lease: &'a Lease,
         batch: &'a [Pending<MergeWrite>],
         records: &'a mut Vec<Entry>,
+        slot: &'a mut SlotHold,
     ) -> impl Future<Output = Vec<Answer>> + Send + 'a {
-        merge_batch(s, queue, lease, batch, records)
+        merge_batch(s, queue, lease, batch, records, slot)
     }
 }
 
@@ -404,8 +409,9 @@ impl Committer for DeleteCommit {
         lease: &'a Lease,
         batch: &'a [Pending<http::HeaderMap>],
         _records: &'a mut Vec<Entry>,
+        slot: &'a mut SlotHold,
     ) -> impl Future<Output = Vec<Answer>> + Send + 'a {
-        delete_batch(s, queue, lease, batch)
+        delete_batch(s, queue, lease, batch, slot)
     }
 }
 
@@ -422,8 +428,9 @@ impl Committer for SerializeCommit {
         lease: &'a Lease,
         batch: &'a [Pending<Forwarded>],
         _records: &'a mut Vec<Entry>,
+        slot: &'a mut SlotHold,
     ) -> impl Future<Output = Vec<Answer>> + Send + 'a {
-        serialize_batch(s, queue, lease, batch)
+        serialize_batch(s, queue, lease, batch, slot)
     }
 }
 
@@ -459,7 +466,14 @@ async fn lead_queue<C: Committer>(s: Arc<Shared>, queue: Arc<Queue<C::Write>>, q
         let round = deadline.min(Instant::now() + s.settings.budget);
         match s
             .locks
-            .acquire_as(&queue.lock_key, &fence_key, round, &s.metrics, &waiter)
+            .acquire_as(
+                &queue.lock_key,
+                &fence_key,
+                round,
+                &s.metrics,
+                &waiter,
+                Some(&queue.scope),
+            )
             .await
         {
             Err(LockError::Busy(_)) => {
@@ -490,9 +504,11 @@ async fn lead_queue<C: Committer>(s: Arc<Shared>, queue: Arc<Queue<C::Write>>, q
                 backend_failed = false;
                 // A grant takes the waiter out of the order.
                 placed = false;
+                // The grant took the document's commit slot too, when it was free.
+                let mut slot = SlotHold::from_grant(queue.scope.clone(), &lease);
                 let batch = queue.take(s.settings.max_batch);
                 if batch.is_empty() {
-                    lease.release(&s.metrics).await;
+                    lease.release_with(&s.metrics, Vec::new(), slot.into_release()).await;
                     continue;
                 }
                 s.metrics.batch(batch.len());
@@ -504,7 +520,9 @@ async fn lead_queue<C: Committer>(s: Arc<Shared>, queue: Arc<Queue<C::Write>>, q
                     batch = batch.len(),
                     outcome = tracing::field::Empty,
                 );
-                let (answers, records, again) = commit::<C>(&s, &queue, &lease, &batch).instrument(span.clone()).await;
+                let (answers, records, again) = commit::<C>(&s, &queue, &lease, &batch, &mut slot)
+                    .instrument(span.clone())
+                    .await;
                 let ok = answers.iter().filter(|a| a.status.is_success()).count();
                 span.record(
                     "outcome",
@@ -517,14 +535,18 @@ async fn lead_queue<C: Committer>(s: Arc<Shared>, queue: Arc<Queue<C::Write>>, q
                     },
                 );
                 span.in_scope(|| tracing::debug!(ok, "batch committed"));
-                // The records go before the lock: with Redis, in the release's own round trip.
-                if s.locks.carries_records() {
-                    if let Err(unsaved) = lease.release_with(&s.metrics, records).await {
-                        idempotency::settle_later(&s, unsaved, "the lock release failed".into());
-                    }
+                // The records and the commit slot go before the lock: with Redis, in the
+                // release's own round trip; what a failed round trip carried is stored again
+                // once Redis answers.
+                let records = if s.locks.carries_records() {
+                    records
                 } else {
                     idempotency::settle(&s, records).await;
-                    lease.release(&s.metrics).await;
+                    Vec::new()
+                };
+                let released = lease.release_with(&s.metrics, records, slot.into_release()).await;
+                if !released.unsaved.is_empty() {
+                    idempotency::settle_later(&s, released.unsaved, "the lock release failed".into());
                 }
                 let mut retry = Vec::new();
                 for ((p, a), again) in batch.into_iter().zip(answers).zip(again) {
@@ -560,9 +582,10 @@ async fn commit<C: Committer>(
     queue: &Queue<C::Write>,
     lease: &Lease,
     batch: &[Pending<C::Write>],
+    slot: &mut SlotHold,
 ) -> (Vec<Answer>, Vec<Entry>, Vec<bool>) {
     let mut records = Vec::new();
-    let answers = C::commit(s, queue, lease, batch, &mut records).await;
+    let answers = C::commit(s, queue, lease, batch, &mut records, slot).await;
     let now = Instant::now();
     let again: Vec<bool> = batch
         .iter()

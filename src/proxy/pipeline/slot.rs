@@ -1,30 +1,46 @@
-//! A writer's hold on a document's commit slot (see `slot_take.lua`).
+//! A writer's hold on a document's commit slot (see `slot_take.lua`): taken by the grant
+//! itself when it is free (`acquire.lua`), settled and given back with the lock
+//! (`release.lua`), so an uncontended commit costs no Redis round trip of its own.
 
 use std::time::Duration;
 
 use tokio::time::Instant;
 
 use super::Shared;
-use crate::lock::{Lease, Settled, Slot};
+use crate::lock::{Lease, Settled, Slot, SlotRelease};
 use crate::proxy::answer::Answer;
 use crate::proxy::error::WriteError;
 use crate::session::Scope;
 
-/// A writer's hold on a document's commit slot.
+/// A writer's hold on a document's commit slot, for the length of one grant.
 pub(super) struct SlotHold {
     pub(super) scope: Scope,
     /// When the slot was last taken or extended by this writer.
     pub(super) since: Option<Instant>,
     /// The document's turn mark, as read when the slot was last taken.
     pub(super) turn_mark: u64,
+    /// Whether this writer took the slot under this grant (it then settles it at the release).
+    taken: bool,
+    /// What the store did with the writes made under the slot so far.
+    settled: Settled,
+    /// A write's outcome is unknown: the slot is left to expire by itself at the release.
+    abandoned: bool,
 }
 
 impl SlotHold {
-    pub(super) fn new(scope: Scope) -> Self {
+    /// The hold as the grant left it: taken when the slot was free then.
+    pub(super) fn from_grant(scope: Scope, lease: &Lease) -> Self {
+        let (since, turn_mark) = match lease.slot_at_grant() {
+            Some((Slot::Taken { turn_mark }, sent)) => (Some(sent), *turn_mark),
+            _ => (None, 0),
+        };
         Self {
             scope,
-            since: None,
-            turn_mark: 0,
+            since,
+            turn_mark,
+            taken: since.is_some(),
+            settled: Settled::Unchanged,
+            abandoned: false,
         }
     }
 
@@ -49,6 +65,7 @@ impl SlotHold {
                 Ok(Slot::Taken { turn_mark }) => {
                     self.since = Some(sent);
                     self.turn_mark = turn_mark;
+                    self.taken = true;
                     return Ok(());
                 }
                 Ok(Slot::LeaseLost) => return Err(Answer::from(WriteError::LeaseLost)),
@@ -68,26 +85,25 @@ impl SlotHold {
         }
     }
 
-    /// Gives the slot back (when held), recording what the store did. A failure is logged:
-    /// the slot then expires by itself, and nothing is lost, but the document waits for it.
-    pub(super) async fn release(&mut self, s: &Shared, lease: &Lease, settled: Settled) {
-        if self.since.take().is_none() {
-            return;
-        }
-        match s.locks.release_slot(lease, &self.scope, settled).await {
-            Ok(true) => {}
-            Ok(false) => tracing::error!(
-                slot = %self.scope.slot(),
-                "the write-back outlived its commit slot: a write of another turn may have been ordered before it landed"
-            ),
-            Err(error) => {
-                tracing::warn!(
-                    slot = %self.scope.slot(),
-                    %error,
-                    "commit slot not given back; the document's next write waits until it expires"
-                );
-                s.locks.release_slot_later(lease, &self.scope, settled);
-            }
-        }
+    /// Records what the store did with a write made under the slot (stored at the release).
+    pub(super) fn settle(&mut self, settled: Settled) {
+        self.settled = self.settled.then(settled);
+    }
+
+    /// A write's outcome is unknown (it may still land): the slot is not given back but left
+    /// to expire by itself, after the write can have landed, and no commit of the document is
+    /// ordered after it until then. A later write of the batch takes the slot anew.
+    pub(super) fn abandon(&mut self) {
+        self.abandoned = true;
+        self.since = None;
+    }
+
+    /// What the lock's release does with the slot: `None` when it was never taken.
+    pub(super) fn into_release(self) -> Option<SlotRelease> {
+        self.taken.then_some(SlotRelease {
+            scope: self.scope,
+            settled: self.settled,
+            give_back: !self.abandoned,
+        })
     }
 }

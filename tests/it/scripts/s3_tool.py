@@ -9,6 +9,9 @@ usage:
   s3_tool.py private STORE BUCKET -         on a store that checks signatures (moto with
                                              INITIAL_NO_AUTH_ACTION_COUNT=3): an IAM user
                                              allowed s3:*, its access key, and the bucket
+  s3_tool.py role STORE BUCKET -            the same (INITIAL_NO_AUTH_ACTION_COUNT=5), the user
+                                             allowed sts:* too, and a role allowed s3:* that a
+                                             web identity may assume; prints its ARN as well
 Credentials come from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY ("testing" by default).
 Prints one JSON line.
 """
@@ -54,12 +57,22 @@ def put(**kwargs):
         }
 
 
-if cmd == "private":
+if cmd in ("private", "role"):
     iam = boto3.client("iam", endpoint_url=endpoint, aws_access_key_id="x", aws_secret_access_key="x", region_name="us-east-1")
     iam.create_user(UserName="agent")
-    policy = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}
+    actions = ["s3:*", "sts:*"] if cmd == "role" else "s3:*"
+    policy = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": actions, "Resource": "*"}]}
     iam.put_user_policy(UserName="agent", PolicyName="s3", PolicyDocument=json.dumps(policy))
     key = iam.create_access_key(UserName="agent")["AccessKey"]
+    role_arn = None
+    if cmd == "role":
+        trust = {
+            "Version": "2012-10-17",
+            "Statement": [{"Effect": "Allow", "Principal": {"Federated": "oidc"}, "Action": "sts:AssumeRoleWithWebIdentity"}],
+        }
+        role_arn = iam.create_role(RoleName="sidecar", AssumeRolePolicyDocument=json.dumps(trust))["Role"]["Arn"]
+        s3_only = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}
+        iam.put_role_policy(RoleName="sidecar", PolicyName="s3", PolicyDocument=json.dumps(s3_only))
     signed = boto3.client(
         "s3",
         endpoint_url=endpoint,
@@ -69,7 +82,7 @@ if cmd == "private":
         config=Config(s3={"addressing_style": "path"}),
     )
     signed.create_bucket(Bucket=bucket)
-    print(json.dumps({"key": key["AccessKeyId"], "secret": key["SecretAccessKey"]}))
+    print(json.dumps({"key": key["AccessKeyId"], "secret": key["SecretAccessKey"], "role": role_arn}))
 elif cmd == "setup":
     c.create_bucket(Bucket=bucket)
     seed = boto3.client(

@@ -183,3 +183,128 @@ pub fn run_python_env(script: &str, args: &[&str], env: &[(String, String)]) -> 
     let last = stdout.lines().last().unwrap_or("");
     serde_json::from_str(last).unwrap_or_else(|e| panic!("{script} printed no JSON ({e}): {stdout}"))
 }
+
+// === sidecars in front of these stores ===
+
+/// A ready routes file for S3 session objects: turnlock's own reads and write-backs carry the
+/// client's credentials.
+pub const S3_ROUTES: &str = r#"
+[store]
+dialect = "s3"
+
+[[route]]
+method = "PUT"
+path = "/{bucket}/sessions/{session}.json"
+mode = "merge"
+kind = "put"
+document = "/{bucket}/sessions/{session}.json"
+turn = { body = "/turn", optional = true }
+"#;
+
+/// A ready routes file for CouchDB documents (`_rev` in the body).
+pub const COUCHDB_ROUTES: &str = r#"
+[store]
+dialect = "couchdb"
+
+[[route]]
+method = "PUT"
+path = "/{db}/{session}"
+mode = "merge"
+kind = "put"
+turn = { body = "/turn", optional = true }
+"#;
+
+/// An S3 routes file, with turnlock signing its own requests (SigV4 in `us-east-1`).
+pub fn signed(routes: &str) -> String {
+    routes.replace(
+        "dialect = \"s3\"",
+        "dialect = \"s3\"\nsigv4 = { region = \"us-east-1\" }",
+    )
+}
+
+/// `text` in a temporary routes file.
+pub fn routes_file(text: &str) -> tempfile::NamedTempFile {
+    let file = tempfile::NamedTempFile::new().expect("temp file");
+    std::fs::write(file.path(), text).expect("write routes");
+    file
+}
+
+/// The credentials the agents and in-process sidecars use (moto accepts any while it does
+/// not check signatures).
+pub fn aws_env() {
+    std::env::set_var("AWS_ACCESS_KEY_ID", "testing");
+    std::env::set_var("AWS_SECRET_ACCESS_KEY", "testing");
+}
+
+/// `n` in-process sidecars in front of `store`, sharing `redis`, serving `routes`.
+pub async fn sidecars(
+    store: &Server,
+    redis: &super::RedisServer,
+    routes: &tempfile::NamedTempFile,
+    n: usize,
+) -> Vec<turnlock::sidecar::Running> {
+    let mut out = Vec::new();
+    for _ in 0..n {
+        let mut args = super::proxy_args(format!("127.0.0.1:{}", store.port).parse().expect("addr"), Some(redis));
+        args.routes = Some(routes.path().display().to_string());
+        out.push(super::proxy(args).await);
+    }
+    out
+}
+
+/// A `turnlock proxy` process in front of `store` with `routes`, with no AWS credentials in
+/// its environment but those of `env`; returns it and its address.
+pub fn sidecar_process(
+    store: &Server,
+    redis: &super::RedisServer,
+    routes: &tempfile::NamedTempFile,
+    env: &[(String, String)],
+) -> (super::Proc, String) {
+    let (port, admin) = (free_port(), free_port());
+    let child = Command::new(super::turnlock_bin())
+        .args([
+            "proxy",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--admin",
+            &format!("127.0.0.1:{admin}"),
+        ])
+        .args(["--upstream", &store.url(), "--redis", &redis.url()])
+        .arg("--routes")
+        .arg(routes.path())
+        .env_remove("AWS_ACCESS_KEY_ID")
+        .env_remove("AWS_SECRET_ACCESS_KEY")
+        .env_remove("AWS_SESSION_TOKEN")
+        .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn turnlock");
+    let proc = super::Proc { child };
+    wait_for_port(port, Duration::from_secs(20));
+    (proc, format!("http://127.0.0.1:{port}"))
+}
+
+/// A Python script of `tests/it/scripts` serving on a free port (given as its `args`'
+/// `{port}`), killed on drop.
+pub fn python_server(script: &str, args: &[&str]) -> Server {
+    let venv = venv();
+    let port = free_port();
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/it/scripts")
+        .join(script);
+    let child = Command::new(venv.join("bin/python"))
+        .arg(&path)
+        .args(args.iter().map(|a| a.replace("{port}", &port.to_string())))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| panic!("start {script}: {e}"));
+    wait_for_port(port, Duration::from_secs(30));
+    Server {
+        child,
+        port,
+        _dir: None,
+    }
+}
