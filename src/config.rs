@@ -194,6 +194,12 @@ impl StartError {
 impl ProxyArgs {
     pub fn validate(&self) -> Result<(), ConfigError> {
         let err = |m: &str| Err(ConfigError(m.to_owned()));
+        if !self.transparent && upstream_is_listen_address(&self.upstream, self.listen) {
+            return Err(ConfigError(format!(
+                "--upstream {} is this proxy's own --listen address {}: every request would loop back into it",
+                self.upstream, self.listen
+            )));
+        }
         if self.lock_budget_ms == 0 {
             return err("--lock-budget-ms must be at least 1");
         }
@@ -330,6 +336,30 @@ impl ProxyArgs {
     }
 }
 
+/// Whether `upstream` names the address the proxy listens on (the same port on the same
+/// address, on loopback while listening on loopback, or on any address while listening on
+/// all of them): the proxy would forward every request to itself.
+fn upstream_is_listen_address(upstream: &str, listen: SocketAddr) -> bool {
+    let Ok(uri) = upstream.parse::<http::Uri>() else {
+        return false;
+    };
+    let port = uri
+        .port_u16()
+        .unwrap_or(if uri.scheme_str() == Some("https") { 443 } else { 80 });
+    let Some(host) = uri.host() else {
+        return false;
+    };
+    let ip = match host.trim_start_matches('[').trim_end_matches(']') {
+        h if h.eq_ignore_ascii_case("localhost") => std::net::IpAddr::from([127, 0, 0, 1]),
+        h => match h.parse::<std::net::IpAddr>() {
+            Ok(ip) => ip,
+            Err(_) => return false,
+        },
+    };
+    port == listen.port()
+        && (ip == listen.ip() || listen.ip().is_unspecified() || (ip.is_loopback() && listen.ip().is_loopback()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -345,5 +375,26 @@ mod tests {
         let mut args = ProxyArgs::local("http://127.0.0.1:1".into());
         args.key_prefix = "team-a:turnlock:".into();
         assert!(args.validate().is_ok());
+    }
+
+    #[test]
+    fn a_store_at_the_proxys_own_address_is_refused() {
+        let listen: SocketAddr = "127.0.0.1:7070".parse().unwrap();
+        for upstream in [
+            "http://127.0.0.1:7070",
+            "http://localhost:7070/",
+            "http://127.0.0.2:7070",
+        ] {
+            assert!(upstream_is_listen_address(upstream, listen), "{upstream}");
+        }
+        let any: SocketAddr = "0.0.0.0:80".parse().unwrap();
+        assert!(upstream_is_listen_address("http://10.0.0.5", any));
+        for upstream in ["http://127.0.0.1:8080", "http://store.local:7070", "https://127.0.0.1"] {
+            assert!(!upstream_is_listen_address(upstream, listen), "{upstream}");
+        }
+        let mut args = ProxyArgs::local("http://127.0.0.1:7070".into());
+        args.listen = listen;
+        let e = args.validate().expect_err("loop");
+        assert!(e.to_string().contains("loop back"), "{e}");
     }
 }

@@ -33,8 +33,11 @@ pub enum WriteError {
     /// Writers of other turns kept moving the document past every re-read.
     #[error("a concurrent write of another turn kept moving the session; retry")]
     KeptMoving,
-    /// Another turn's write of the document was still in flight after half a lease.
-    #[error("a write of another turn to this document is in flight; retry")]
+    /// Another write of the document (of another turn, or one whose outcome is unknown and
+    /// may still land) still held its commit slot after half a lease.
+    #[error(
+        "an earlier write to this document is still in flight, or its outcome is unknown and it may still land (its commit slot lapses within the store timeout plus a lease); retry"
+    )]
     CommitInFlight,
     /// The merge rules refused the write.
     #[error(transparent)]
@@ -45,6 +48,9 @@ pub enum WriteError {
     /// The store failed or refused.
     #[error(transparent)]
     Upstream(#[from] UpstreamError),
+    /// The store failed on turnlock's read of the document, before anything was written.
+    #[error("{0}, on turnlock's read of the document")]
+    ReadFailed(UpstreamError),
     /// The route's path does not make a URI on the store.
     #[error("{0}")]
     InvalidPath(String),
@@ -82,7 +88,8 @@ impl From<WriteError> for Answer {
                 &e,
                 Some(json!({"size": size, "limit": limit})),
             ),
-            WriteError::Upstream(u) => upstream(u),
+            WriteError::Upstream(u) => upstream(u, u.outcome_unknown()),
+            WriteError::ReadFailed(u) => upstream(u, false),
             WriteError::InvalidPath(_) => Answer::error(StatusCode::BAD_REQUEST, "invalid_path", &e, None),
             WriteError::Internal(_) => Answer::error(StatusCode::INTERNAL_SERVER_ERROR, "internal", &e, None),
         }
@@ -110,7 +117,9 @@ fn refused(e: &MergeError) -> Answer {
 /// How much of a store's refusal is kept to answer it with.
 const STORE_BODY_KEPT: usize = 8 * 1024;
 
-fn upstream(e: &UpstreamError) -> Answer {
+/// The answer to a store's failure or refusal; `may_have_landed` when a write was sent and its
+/// outcome is unknown.
+fn upstream(e: &UpstreamError, may_have_landed: bool) -> Answer {
     if let UpstreamError::Status { status, .. } = e {
         if *status == StatusCode::PAYLOAD_TOO_LARGE {
             return Answer::error(
@@ -131,7 +140,7 @@ fn upstream(e: &UpstreamError) -> Answer {
         UpstreamError::Status { status, .. } => Some(json!({"upstream_status": status.as_u16()})),
         _ => None,
     };
-    let message = if e.outcome_unknown() {
+    let message = if may_have_landed {
         format!(
             "{e}; the outcome is unknown: the write may have been applied. A retry with the same \
              Idempotency-Key does not apply it twice"

@@ -12,7 +12,7 @@ use serde::Deserialize;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum DialectName {
-    /// ETag and `If-Match`, 412 on conflict; answered in turnlock's JSON.
+    /// ETag and `If-Match`, 412 (or 409) on conflict; answered in turnlock's JSON.
     #[default]
     Http,
     /// S3-compatible object stores: conditional writes, answered as S3 answers.
@@ -82,7 +82,8 @@ pub struct Dialect {
 pub const HTTP: Dialect = Dialect {
     name: "http",
     version: VersionAt::EtagHeader,
-    conflict_statuses: &[412],
+    // 412 for a stale If-Match; 409, as many stores answer a concurrent write: both re-read.
+    conflict_statuses: &[412, 409],
     managed_fields: &[],
     kept_headers: &[],
     dropped_headers: &[],
@@ -249,7 +250,7 @@ mod tests {
 
     #[test]
     fn each_dialect_names_its_conflicts_and_managed_fields() {
-        assert!(HTTP.is_conflict(412) && !HTTP.is_conflict(409));
+        assert!(HTTP.is_conflict(412) && HTTP.is_conflict(409));
         assert!(S3.is_conflict(412) && S3.is_conflict(409));
         assert!(COUCHDB.is_conflict(409));
         assert!(COUCHDB.manages("_rev") && COUCHDB.manages("_id") && !S3.manages("_rev"));

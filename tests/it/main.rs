@@ -32,6 +32,7 @@ mod redis_tls;
 mod release_records;
 mod route_matching;
 mod soak;
+mod store_answers;
 mod store_edges;
 mod tls_store;
 mod transparent_netns;

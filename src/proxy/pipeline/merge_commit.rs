@@ -104,7 +104,7 @@ pub(super) async fn merge_attempts(
         let dialect = store.dialect;
         let fetched = match s.upstream.get_document_raw_with(path, store).await {
             Ok(f) => f,
-            Err(e) => return (vec![Answer::from(WriteError::Upstream(e)); batch.len()], false),
+            Err(e) => return (vec![Answer::from(WriteError::ReadFailed(e)); batch.len()], false),
         };
         let created = fetched.body.is_none();
         let fence = Fence::after_read(dialect, !created, fetched.etag.clone());
