@@ -76,25 +76,39 @@ fn pattern(prefix: &str) -> String {
     out
 }
 
-/// Up to five keys of the old layout under `prefix` (a sample of a large Redis).
-pub async fn find_old(conn: &RedisConn, prefix: &str) -> Result<Vec<String>, RedisError> {
+/// Up to five keys of the old layout under `prefix` (a sample of a large Redis), and the
+/// cluster primaries that could not be looked at.
+pub async fn find_old(conn: &RedisConn, prefix: &str) -> Result<(Vec<String>, Vec<String>), RedisError> {
     let mut found = Vec::new();
-    conn.scan(&pattern(prefix), CHECK_ROUNDS, |key| {
-        if old_kind(prefix, &key).is_some() {
-            found.push(key);
-        }
-        found.len() < 5
-    })
-    .await?;
-    Ok(found)
+    let (_, failed) = conn
+        .scan_reachable(&pattern(prefix), CHECK_ROUNDS, |key| {
+            if old_kind(prefix, &key).is_some() {
+                found.push(key);
+            }
+            found.len() < 5
+        })
+        .await?;
+    let unreached = failed
+        .into_iter()
+        .map(|(node, error)| format!("{node} ({error})"))
+        .collect();
+    Ok((found, unreached))
 }
 
 /// The startup check: an error naming the way out when Redis holds old-layout keys. A Redis
 /// that does not answer is not this check's business (the proxy starts and reports it).
 pub async fn check(conn: &RedisConn, prefix: &str, redis_display: &str) -> Result<(), String> {
     match find_old(conn, prefix).await {
-        Ok(found) if found.is_empty() => Ok(()),
-        Ok(found) => Err(format!(
+        Ok((found, unreached)) if found.is_empty() => {
+            if !unreached.is_empty() {
+                tracing::warn!(
+                    unreached = %unreached.join(", "),
+                    "could not look for keys of the older key layout on these primaries"
+                );
+            }
+            Ok(())
+        }
+        Ok((found, _)) => Err(format!(
             "Redis holds keys of turnlock's older key layout ({}): proxies of an older version may \
              still be running on it, and they would not see this version's locks. Stop every proxy \
              of the older version, then run `turnlock migrate-keys --redis {redis_display} --key-prefix {prefix}` \
@@ -115,15 +129,23 @@ pub struct Migrated {
     pub deleted: usize,
 }
 
-/// Raises the new counter to the old one's value when lower (one key, one slot).
+/// Raises the new counter to the old one's value when lower (one key, one slot); a counter
+/// with no expiry gets the sessions' (ARGV[2], ms), as a session's write gives it.
 const RAISE: &str = r"
 local current = tonumber(redis.call('GET', KEYS[1]) or '0') or 0
 local old = tonumber(ARGV[1])
 if old and old > current then
-  redis.call('SET', KEYS[1], ARGV[1])
+  redis.call('SET', KEYS[1], ARGV[1], 'KEEPTTL')
+end
+if redis.call('PTTL', KEYS[1]) == -1 then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
 end
 return 1
 ";
+
+/// How long a carried-over counter lives unless a write renews it: the proxy's default
+/// `--session-ttl-secs`.
+const CARRIED_TTL_MS: u64 = 7 * 24 * 3600 * 1000;
 
 /// Moves a Redis of the old layout to the new one; refuses while an old proxy holds a lock.
 pub async fn migrate(conn: &RedisConn, prefix: &str, dry_run: bool) -> Result<Migrated, String> {
@@ -158,7 +180,12 @@ pub async fn migrate(conn: &RedisConn, prefix: &str, dry_run: bool) -> Result<Mi
                     let old: Option<String> = redis::cmd("GET").arg(key).query_async(&mut c).await?;
                     if let Some(old) = old {
                         let script = redis::Script::new(RAISE);
-                        let _: i64 = script.key(new_key).arg(old).invoke_async(&mut c).await?;
+                        let _: i64 = script
+                            .key(new_key)
+                            .arg(old)
+                            .arg(CARRIED_TTL_MS)
+                            .invoke_async(&mut c)
+                            .await?;
                     }
                     Ok(())
                 })

@@ -6,13 +6,29 @@ use super::*;
 impl RedisConn {
     /// Calls `visit` with each key matching `pattern`, until `visit` returns `false` or
     /// `max_rounds` `SCAN` calls (of up to 1,000 keys each) were made on a node. Returns
-    /// whether every node's keyspace was walked to its end.
+    /// whether every node's keyspace was walked to its end; the first node that failed ends
+    /// the walk with its error (see [`Self::scan_reachable`] to go on past it).
     pub async fn scan(
         &self,
         pattern: &str,
         max_rounds: usize,
-        mut visit: impl FnMut(String) -> bool,
+        visit: impl FnMut(String) -> bool,
     ) -> Result<bool, RedisError> {
+        let (complete, mut failed) = self.scan_reachable(pattern, max_rounds, visit).await?;
+        match failed.pop() {
+            Some((_, error)) => Err(error),
+            None => Ok(complete),
+        }
+    }
+
+    /// [`Self::scan`] that goes on past a cluster primary that does not answer: returns
+    /// whether the walk was complete, and each primary that failed with its error.
+    pub async fn scan_reachable(
+        &self,
+        pattern: &str,
+        max_rounds: usize,
+        mut visit: impl FnMut(String) -> bool,
+    ) -> Result<(bool, Vec<(String, RedisError)>), RedisError> {
         use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
         let conn = self.get().await?;
         let nodes: Vec<Option<(String, u16)>> = match &conn {
@@ -31,7 +47,8 @@ impl RedisConn {
             }
         };
         let mut complete = true;
-        for node in nodes {
+        let mut failed = Vec::new();
+        'nodes: for node in nodes {
             let mut cursor = 0u64;
             let mut walked = false;
             for _ in 0..max_rounds {
@@ -43,14 +60,21 @@ impl RedisConn {
                             host: host.clone(),
                             port: *port,
                         });
-                        c.clone().route_command(cmd, route).await?
+                        match c.clone().route_command(cmd, route).await {
+                            Ok(reply) => reply,
+                            Err(error) => {
+                                failed.push((format!("{host}:{port}"), error));
+                                complete = false;
+                                continue 'nodes;
+                            }
+                        }
                     }
                     (c, _) => cmd.query_async(&mut c.clone()).await?,
                 };
                 let (next, keys): (u64, Vec<String>) = redis::from_redis_value(reply)?;
                 for key in keys {
                     if !visit(key) {
-                        return Ok(false);
+                        return Ok((false, failed));
                     }
                 }
                 cursor = next;
@@ -61,6 +85,6 @@ impl RedisConn {
             }
             complete &= walked;
         }
-        Ok(complete)
+        Ok((complete, failed))
     }
 }

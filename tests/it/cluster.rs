@@ -936,6 +936,54 @@ async fn a_dead_shard_is_reported_by_node_and_leaves_the_pod_ready() {
     let sample = format!("turnlock_redis_node_up{{node=\"{dead}\"}}");
     assert!(text.contains(&format!("{sample} 0")), "{sample} is not 0 in\n{text}");
     assert_eq!(readyz(admin).await, 200, "a dead shard made the pod NotReady");
+
+    // The start check for the older key layout still looks at the shards that answer: an old
+    // counter on a live shard stops a new proxy even while another shard is dead.
+    let live = primaries[1];
+    let old_key = (0..64)
+        .map(|i| format!("turnlock:fence:old-{i}"))
+        .find(|key| {
+            Command::new(redis_cli_bin())
+                .args(["-c", "-p", &live.to_string(), "SET", key, "5"])
+                .output()
+                .is_ok_and(|o| o.status.success() && String::from_utf8_lossy(&o.stdout).contains("OK"))
+        })
+        .expect("an old-layout key on a live shard");
+    let mut args = proxy_args(store.addr, None);
+    args.redis = Some(cluster.url());
+    let Err(e) = turnlock::sidecar::start(args).await else {
+        panic!("a proxy started beside {old_key} because another shard was dead");
+    };
+    assert!(e.to_string().contains(&old_key), "{e}");
+}
+
+/// While the cluster cannot be reached at all, a write that runs out of time is told
+/// `lock_unavailable`, never `session_busy` (load shedding: the wrong remedy for an outage).
+#[tokio::test]
+async fn an_unreachable_cluster_is_answered_lock_unavailable_not_session_busy() {
+    let store = store().await;
+    let mut args = proxy_args(store.addr, None);
+    args.redis = Some(format!("redis+cluster://127.0.0.1:{}", free_port()));
+    let p = proxy(args).await;
+    let c = crate::support::client(p.addr);
+    for i in 0..3 {
+        let r = try_append(
+            &c,
+            &format!("down-{i}"),
+            1,
+            "a",
+            true,
+            &[("x-wait-deadline-ms", "400".into())],
+        )
+        .await
+        .expect("answer");
+        assert_eq!(
+            (r.status.as_u16(), r.json["error"].as_str()),
+            (503, Some("lock_unavailable")),
+            "{}",
+            r.json
+        );
+    }
 }
 
 /// A Redis holding keys of the older key layout (before hash tags): a proxy refuses to start
@@ -994,6 +1042,11 @@ async fn an_older_key_layout_stops_the_start_until_migrated() {
     assert!(out.contains("1 fencing counters carried over, 2 keys"), "{out}");
     let left: Vec<String> = redis::cmd("KEYS").arg("turnlock:*").query(&mut c).expect("KEYS");
     assert_eq!(left, vec!["turnlock:session:{old-1}:fence".to_owned()], "{left:?}");
+    let ttl: i64 = redis::cmd("PTTL")
+        .arg("turnlock:session:{old-1}:fence")
+        .query(&mut c)
+        .expect("PTTL");
+    assert!(ttl > 0, "the carried-over counter never expires (PTTL {ttl})");
 
     let p = proxy(proxy_args(store.addr, Some(&redis))).await;
     let r = append(&crate::support::client(p.addr), "old-1", 1, "after-upgrade").await;

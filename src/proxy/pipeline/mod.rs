@@ -20,7 +20,7 @@
 //! and the release gives both back, so an uncontended write costs two Redis round trips.
 
 use std::future::Future;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -278,6 +278,7 @@ impl Pipeline {
                     lock_key,
                     path,
                     state: Mutex::new(QueueState::default()),
+                    backend_failed: AtomicBool::new(false),
                 })
             })
             .clone();
@@ -308,7 +309,7 @@ impl Pipeline {
             Ok(Err(_)) => Answer::from(WriteError::Internal("the write was dropped")),
             Err(_) => {
                 if queue.withdraw(id) {
-                    unanswered(&s.locks, s.settings.budget, wait)
+                    past_deadline(s, &queue.backend_failed, wait)
                 } else {
                     // Already taken into a batch under the lock: its answer is coming.
                     rx.await
@@ -441,20 +442,12 @@ async fn lead_queue<C: Committer>(s: Arc<Shared>, queue: Arc<Queue<C::Write>>, q
     // Whether the last round ended with a place still taken in that order.
     let mut placed = false;
     let mut dropped = Vec::new();
-    // The last round met a lock backend error: a write past its deadline is told so.
-    let mut backend_failed = false;
-    while let Some(deadline) = queue.next_deadline(
-        |waited| {
-            if backend_failed {
-                Answer::from(WriteError::LockUnavailable(
-                    "the lock backend did not answer before the write's deadline".into(),
-                ))
-            } else {
-                unanswered(&s.locks, s.settings.budget, waited)
-            }
-        },
-        &mut dropped,
-    ) {
+    // Whether the last round met a lock backend error (`queue.backend_failed`): a write past
+    // its deadline is told so.
+    let backend_failed = |failed: bool| queue.backend_failed.store(failed, Ordering::Relaxed);
+    while let Some(deadline) =
+        queue.next_deadline(|waited| past_deadline(&s, &queue.backend_failed, waited), &mut dropped)
+    {
         let drops: Vec<Entry> = dropped.drain(..).map(|(key, claim)| drop_claim(key, claim)).collect();
         idempotency::settle(&s, drops).await;
         let gate = s.gates.entry(queue.session.clone()).or_default().clone();
@@ -477,7 +470,7 @@ async fn lead_queue<C: Committer>(s: Arc<Shared>, queue: Arc<Queue<C::Write>>, q
             .await
         {
             Err(LockError::Busy(_)) => {
-                backend_failed = false;
+                backend_failed(false);
                 placed = true;
                 continue;
             }
@@ -491,7 +484,7 @@ async fn lead_queue<C: Committer>(s: Arc<Shared>, queue: Arc<Queue<C::Write>>, q
                     // slot moving, the cluster briefly down). Its writes wait for the new
                     // primary within their own deadline instead of bouncing; one past its
                     // deadline is answered `lock_unavailable`.
-                    backend_failed = true;
+                    backend_failed(true);
                     drop(_turn);
                     tokio::time::sleep_until(deadline.min(Instant::now() + FAILOVER_PAUSE)).await;
                     continue;
@@ -501,7 +494,7 @@ async fn lead_queue<C: Committer>(s: Arc<Shared>, queue: Arc<Queue<C::Write>>, q
                 ))));
             }
             Ok(lease) => {
-                backend_failed = false;
+                backend_failed(false);
                 // A grant takes the waiter out of the order.
                 placed = false;
                 // The grant took the document's commit slot too, when it was free.
@@ -616,5 +609,18 @@ fn drop_claim(key: String, claim: Bytes) -> Entry {
         value: Bytes::new(),
         ttl: Duration::ZERO,
         expect: Some(claim),
+    }
+}
+
+/// The answer to a write whose deadline passed while it waited: `lock_unavailable` when the
+/// lock backend is what kept it waiting (its queue's last round met a backend error, or Redis
+/// left commands unanswered), `session_busy` (load shedding) otherwise.
+fn past_deadline(s: &Shared, backend_failed: &AtomicBool, waited: Duration) -> Answer {
+    if backend_failed.load(Ordering::Relaxed) {
+        Answer::from(WriteError::LockUnavailable(
+            "the lock backend did not answer before the write's deadline".into(),
+        ))
+    } else {
+        unanswered(&s.locks, s.settings.budget, waited)
     }
 }

@@ -2,6 +2,7 @@
 //! leader competes for the lock and then takes a batch.
 
 use std::collections::VecDeque;
+use std::sync::atomic::AtomicBool;
 use std::sync::Mutex;
 
 use bytes::Bytes;
@@ -28,6 +29,10 @@ pub(super) struct Queue<W> {
     /// The keys of what the queue's writes protect.
     pub(super) scope: Scope,
     pub(super) state: Mutex<QueueState<W>>,
+    /// The leader's last round met a lock backend error (a Redis Cluster failing over, or
+    /// unreachable): a write that runs out of time is told `lock_unavailable`, not
+    /// `session_busy`, wherever its deadline is noticed.
+    pub(super) backend_failed: AtomicBool,
 }
 
 pub(super) struct QueueState<W> {
@@ -144,6 +149,7 @@ mod tests {
             lock_key: "t:session:{s-1}:1".into(),
             path: "/v1/sessions/s-1".into(),
             state: Mutex::new(QueueState::default()),
+            backend_failed: AtomicBool::new(false),
         }
     }
 
