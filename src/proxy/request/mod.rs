@@ -3,12 +3,11 @@
 
 use bytes::Bytes;
 use http::header::{self, HeaderMap};
-use http::{Method, StatusCode};
+use http::Method;
 use http_body_util::BodyExt;
 use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 
-use crate::http::{error, Body};
 use crate::merge::{assign_ids, canonical, KeyedIds, Op};
 use crate::routes::{AnswerForm, Captures, Kind, Mode, Route, TurnSource};
 use crate::session::{resolve_turn, turn_from_header, turn_from_json, SessionId, TurnError};
@@ -88,33 +87,15 @@ pub struct Idempotency {
     pub fingerprint: String,
 }
 
-/// A request refused at the edge, before any lock: a status, a specific error code, and a
-/// message saying what to fix.
-#[derive(Debug)]
-pub struct Refusal {
-    pub status: StatusCode,
-    pub code: &'static str,
-    pub message: String,
-    pub extra: Option<Value>,
-}
+use super::error::EdgeError;
+pub use super::error::Refusal;
 
-impl Refusal {
-    fn new(status: StatusCode, code: &'static str, message: impl std::fmt::Display) -> Self {
-        Self {
-            status,
-            code,
-            message: message.to_string(),
-            extra: None,
-        }
-    }
-
-    pub fn into_response(self) -> http::Response<Body> {
-        error(self.status, self.code, self.message, self.extra)
-    }
-}
-
+/// A request that does not make a valid write: `code` names what to fix.
 fn bad(code: &'static str, message: impl std::fmt::Display) -> Refusal {
-    Refusal::new(StatusCode::BAD_REQUEST, code, message)
+    Refusal::from(EdgeError::Invalid {
+        code,
+        message: message.to_string(),
+    })
 }
 
 /// The size limits of a write's body.
@@ -210,13 +191,7 @@ pub async fn parse(
         check_content_type(&parts.headers, route.strict_content_type)?;
     }
     let bytes = match tokio::time::timeout(BODY_READ_TIMEOUT, read_limited(body, max_body)).await {
-        Err(_) => {
-            return Err(Refusal::new(
-                StatusCode::REQUEST_TIMEOUT,
-                "body_timeout",
-                format!("the body was not received within {} s", BODY_READ_TIMEOUT.as_secs()),
-            ))
-        }
+        Err(_) => return Err(EdgeError::BodyTimeout(BODY_READ_TIMEOUT).into()),
         Ok(Ok(bytes)) => bytes,
         Ok(Err(None)) => return Err(too_large(max_body)),
         Ok(Err(Some(e))) => return Err(bad("body_read_failed", format!("could not read the request body: {e}"))),
@@ -422,11 +397,7 @@ fn check_content_type(headers: &HeaderMap, strict: bool) -> Result<(), Refusal> 
     {
         Ok(())
     } else {
-        Err(Refusal::new(
-            StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            "unsupported_media_type",
-            format!("writes must be JSON (application/json or application/merge-patch+json), not {ct:?}"),
-        ))
+        Err(EdgeError::UnsupportedMediaType(ct.to_owned()).into())
     }
 }
 
@@ -453,15 +424,8 @@ fn turn_refusal(e: TurnError) -> Refusal {
     bad(e.code(), e)
 }
 
-fn too_large(max: usize) -> Refusal {
-    Refusal {
-        extra: Some(serde_json::json!({"limit": max})),
-        ..Refusal::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "body_too_large",
-            format!("the body is larger than the limit of {max} bytes"),
-        )
-    }
+fn too_large(limit: usize) -> Refusal {
+    EdgeError::BodyTooLarge { limit }.into()
 }
 
 pub fn hex(bytes: &[u8]) -> String {

@@ -1,12 +1,12 @@
 //! The change a write body asks for, per route kind: its [`Op`], or the refusal that says what
 //! to fix in the body.
 
-use http::StatusCode;
 use serde_json::{Map, Value};
 
 use super::{bad, Refusal};
 use crate::http::version_from_etag;
 use crate::merge::{validate_messages, Op, COMPACTED_IDS, LIFE};
+use crate::proxy::error::EdgeError;
 use crate::routes::Kind;
 
 pub(super) fn build_op(
@@ -53,19 +53,12 @@ pub(super) fn build_op(
         Kind::Put if replace => {
             let if_match = match if_match {
                 None => {
-                    return Err(Refusal::new(
-                        StatusCode::PRECONDITION_REQUIRED,
-                        "precondition_required",
+                    return Err(EdgeError::PreconditionRequired(
                         "a replacement (X-Context-Replace: true) needs If-Match with the version read",
-                    ))
+                    )
+                    .into())
                 }
-                Some(IfMatch::Weak(_)) => {
-                    return Err(Refusal::new(
-                        StatusCode::PRECONDITION_FAILED,
-                        "version_mismatch",
-                        "If-Match is compared strongly (RFC 9110): a weak entity tag (W/\"…\") never matches",
-                    ))
-                }
+                Some(IfMatch::Weak(_)) => return Err(EdgeError::WeakIfMatch.into()),
                 Some(IfMatch::Any) => None,
                 Some(IfMatch::Strong(v)) => Some(v),
             };
@@ -83,13 +76,7 @@ pub(super) fn build_op(
             };
             let header_version = match if_match {
                 Some(IfMatch::Strong(v)) => Some(v),
-                Some(IfMatch::Weak(_)) => {
-                    return Err(Refusal::new(
-                        StatusCode::PRECONDITION_FAILED,
-                        "version_mismatch",
-                        "If-Match is compared strongly (RFC 9110): a weak entity tag (W/\"…\") never matches",
-                    ))
-                }
+                Some(IfMatch::Weak(_)) => return Err(EdgeError::WeakIfMatch.into()),
                 Some(IfMatch::Any) | None => None,
             };
             if let Some(id) = duplicate_id(&doc) {
