@@ -35,3 +35,4 @@ mod store_edges;
 mod tls_store;
 mod transparent_netns;
 mod weak_store;
+mod write_back;

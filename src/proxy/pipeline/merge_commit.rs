@@ -199,10 +199,10 @@ pub(super) async fn merge_attempts(
             Ok(etag) => {
                 // Only a merged PUT reads a snapshot back: without such a route none is kept.
                 if s.settings.snapshots {
-                    let snapshot = written.snapshot(new_version, &mut lock(&digests));
+                    let snapshot = written.snapshot_json(new_version, &mut lock(&digests));
                     records.push(Entry {
                         key: queue.scope.history(new_version),
-                        value: Bytes::from(serde_json::to_vec(&snapshot).unwrap_or_default()),
+                        value: Bytes::from(snapshot),
                         ttl: s.settings.history_ttl,
                         expect: None,
                     });
@@ -287,10 +287,11 @@ impl Written<'_> {
         }
     }
 
-    fn snapshot(&self, version: u64, cache: &mut DigestCache) -> Snapshot {
+    /// The snapshot of the version written, serialized.
+    fn snapshot_json(&self, version: u64, cache: &mut DigestCache) -> Vec<u8> {
         match self {
-            Written::Values(doc) => Snapshot::of(doc),
-            Written::Raw(doc) => doc.snapshot(version, cache),
+            Written::Values(doc) => serde_json::to_vec(&Snapshot::of(doc)).unwrap_or_default(),
+            Written::Raw(doc) => doc.snapshot_json(version, cache),
         }
     }
 }
