@@ -12,7 +12,7 @@ use std::borrow::Cow;
 use std::collections::hash_map::RandomState;
 use std::collections::{HashMap, HashSet};
 use std::fmt;
-use std::hash::BuildHasher;
+use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
 use std::sync::Arc;
 
 use serde::de::{Deserializer, MapAccess, Visitor};
@@ -426,7 +426,7 @@ impl Finished<'_> {
                 (k.to_string(), digest_tree(&value))
             })
             .collect();
-        let mut next = HashMap::with_capacity(self.batch.messages.len());
+        let mut next = HashMap::with_capacity_and_hasher(self.batch.messages.len(), Default::default());
         let mut message_digests = Vec::with_capacity(self.batch.messages.len());
         for (i, (id, m)) in self.batch.message_ids.iter().zip(&self.batch.messages).enumerate() {
             let json = m.json();
@@ -456,7 +456,32 @@ impl Finished<'_> {
 pub struct DigestCache {
     /// Keyed at random: nobody can make two messages' hashes collide on purpose.
     hasher: RandomState,
-    entries: HashMap<(u64, usize), Known>,
+    entries: HashMap<(u64, usize), Known, BuildHasherDefault<KeyHasher>>,
+}
+
+/// The hasher of a [`DigestCache`]'s map: its keys are already keyed hashes, so their bits are
+/// taken as they are instead of being hashed a second time.
+#[derive(Default)]
+struct KeyHasher(u64);
+
+impl Hasher for KeyHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(*b);
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 ^= n;
+    }
+
+    fn write_usize(&mut self, n: usize) {
+        self.0 ^= (n as u64).rotate_left(32);
+    }
 }
 
 struct Known {

@@ -191,15 +191,25 @@ pub(super) async fn merge_attempts(
                 false,
             );
         }
-        match s
+        // The version's snapshot is made while the store takes the write-back (the PUT is
+        // sent first): it is off the lock's critical path. Its cache only maps messages'
+        // bytes to their ids and digests, so one made for a write-back that then fails is
+        // still right.
+        let precondition = fence.precondition();
+        let put = s
             .upstream
-            .put_document_with(path, body, &fence.precondition(), lease.fence(), store)
-            .await
-        {
+            .put_document_with(path, body, &precondition, lease.fence(), store);
+        let snapshot = async {
+            tokio::task::yield_now().await;
+            s.settings
+                .snapshots
+                .then(|| written.snapshot_json(new_version, &mut lock(&digests)))
+        };
+        let (put, snapshot) = tokio::join!(put, snapshot);
+        match put {
             Ok(etag) => {
                 // Only a merged PUT reads a snapshot back: without such a route none is kept.
-                if s.settings.snapshots {
-                    let snapshot = written.snapshot_json(new_version, &mut lock(&digests));
+                if let Some(snapshot) = snapshot {
                     records.push(Entry {
                         key: queue.scope.history(new_version),
                         value: Bytes::from(snapshot),
