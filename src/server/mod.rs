@@ -126,18 +126,6 @@ pub async fn serve_with<M, S, B>(
                     return;
                 }
             }
-            // hyper's connection (its write buffer made at once, its read buffer at the first
-            // read) is made when the client has sent something: a connection opened ahead of
-            // its first request costs only its socket and this task until then. A client that
-            // sends nothing within the head's read timeout is closed, as hyper would.
-            let first = tokio::select! {
-                first = tokio::time::timeout(HEADER_READ_TIMEOUT, stream.readable()) => first,
-                _ = hard.cancelled() => return,
-                _ = graceful.cancelled() => return,
-            };
-            if !matches!(first, Ok(Ok(()))) {
-                return;
-            }
             // With upgrades: a WebSocket request passed through becomes a tunnel.
             let conn = builder.serve_connection(TokioIo::new(stream), service).with_upgrades();
             tokio::pin!(conn);
