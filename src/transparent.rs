@@ -13,13 +13,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use http::{Request, Response, StatusCode};
+use http::{Request, Response};
 use tokio::io::AsyncWriteExt;
 
 use crate::config::ConfigError;
-use crate::http::{error, Body};
-use crate::proxy::Proxy;
+use crate::http::Body;
 use crate::proxy::ProxyFactory;
+use crate::proxy::{EdgeError, Proxy};
 use crate::server::{is_own, Conn};
 
 /// The nat chain holding turnlock's rules (jumped to from `OUTPUT`).
@@ -289,7 +289,7 @@ impl Destinations {
                 let host = req.headers().get(http::header::HOST).cloned();
                 match self.for_dst(Destination { addr: dst, host }) {
                     Ok(p) => p,
-                    Err((code, message)) => return error(StatusCode::BAD_GATEWAY, code, message, None),
+                    Err((code, message)) => return EdgeError::NoDestination { code, message }.into_response(),
                 }
             }
             _ => self.inner.default.clone(),
@@ -437,15 +437,7 @@ fn forwarding_loop(dst: SocketAddr) -> Response<Body> {
         "the sidecar's own connections are being intercepted and sent back to it: run it as the \
          user id excluded by `turnlock init-iptables --proxy-uid`"
     );
-    error(
-        StatusCode::LOOP_DETECTED,
-        "forwarding_loop",
-        format!(
-            "the sidecar's own connection to {dst} was intercepted and sent back to it: it runs as a user id \
-             the interception rules do not exclude"
-        ),
-        None,
-    )
+    EdgeError::ForwardingLoop(dst).into_response()
 }
 
 #[cfg(test)]

@@ -44,6 +44,10 @@ const MAX_DOCUMENT_BYTES: usize = 64 * 1024 * 1024;
 /// The header carrying the fencing token of the lock grant a write was made under.
 pub const FENCING_TOKEN: &str = "x-fencing-token";
 
+/// The preference (RFC 7240) a write-back states: no document in the answer.
+pub const PREFER: &str = "prefer";
+pub const RETURN_MINIMAL: &str = "return=minimal";
+
 /// The connection pool's limits.
 #[derive(Clone, Copy, Debug)]
 pub struct PoolSettings {

@@ -23,7 +23,7 @@ use self::append::append_new;
 pub use self::batch::BatchDoc;
 #[cfg(test)]
 use self::put::without_id;
-pub use self::raw::{with_version, DigestCache, Finished, NotADocument, RawBatch};
+pub use self::raw::{with_version, DigestCache, Finished, NotADocument, RawBatch, RawDocument};
 
 /// A session document: a JSON object with `session`, `turn`, `version`, `messages`, and any
 /// other fields, which belong to the application and survive every write.

@@ -12,7 +12,8 @@ use std::borrow::Cow;
 use std::collections::hash_map::RandomState;
 use std::collections::{HashMap, HashSet};
 use std::fmt;
-use std::hash::BuildHasher;
+use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
+use std::sync::Arc;
 
 use serde::de::{Deserializer, MapAccess, Visitor};
 use serde::Deserialize;
@@ -80,6 +81,47 @@ impl<'de: 'a, 'a> Deserialize<'de> for Members<'a> {
     }
 }
 
+/// A top-level member of a stored document: `messages` read as its list of raw messages in
+/// the same pass as the rest (the document's bytes are scanned once), any other member raw.
+enum Member<'a> {
+    Raw(&'a RawValue),
+    Messages(Vec<&'a RawValue>),
+}
+
+/// The stored document's top-level members in order (see [`Member`]). A `messages` that is
+/// not an array fails the parse: such a document is left to the value merge.
+struct StoredMembers<'a>(Vec<(Cow<'a, str>, Member<'a>)>);
+
+impl<'de: 'a, 'a> Deserialize<'de> for StoredMembers<'a> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = StoredMembers<'de>;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+                let mut members: Vec<(Cow<'de, str>, Member<'de>)> = Vec::new();
+                while let Some(key) = map.next_key::<Cow<'de, str>>()? {
+                    let value = if key == "messages" {
+                        Member::Messages(map.next_value()?)
+                    } else {
+                        Member::Raw(map.next_value()?)
+                    };
+                    // A repeated key: the last one counts, as when parsed into a map.
+                    if let Some(slot) = members.iter_mut().find(|(k, _)| *k == key) {
+                        slot.1 = value;
+                    } else {
+                        members.push((key, value));
+                    }
+                }
+                Ok(StoredMembers(members))
+            }
+        }
+        d.deserialize_map(V)
+    }
+}
+
 /// Why [`with_version`] refused a body.
 #[derive(Debug)]
 pub enum NotADocument {
@@ -92,39 +134,57 @@ pub enum NotADocument {
 /// A JSON object's bytes with its top-level `version` set (added at the end when absent),
 /// every other member copied as it is, without parsing it into values.
 pub fn with_version(json: &[u8], version: u64) -> Result<Vec<u8>, NotADocument> {
-    let Members(members) = match serde_json::from_slice(json) {
-        Ok(m) => m,
-        Err(e) => {
-            return Err(match serde_json::from_slice::<serde::de::IgnoredAny>(json) {
+    Ok(RawDocument::parse(json)?.with_version(version))
+}
+
+/// A JSON object checked once and kept as its members' bytes, to be written out at any
+/// version without being parsed again (the reference store checks a document once and sets
+/// its version under its own lock).
+pub struct RawDocument<'a> {
+    members: Members<'a>,
+}
+
+impl<'a> RawDocument<'a> {
+    /// The object `json` is, or why it is not one.
+    pub fn parse(json: &'a [u8]) -> Result<Self, NotADocument> {
+        match serde_json::from_slice(json) {
+            Ok(members) => Ok(Self { members }),
+            Err(e) => Err(match serde_json::from_slice::<serde::de::IgnoredAny>(json) {
                 Ok(_) => NotADocument::NotAnObject,
                 Err(_) => NotADocument::Malformed(e),
-            })
-        }
-    };
-    let mut out = Vec::with_capacity(json.len() + 24);
-    out.push(b'{');
-    let mut seen = false;
-    for (i, (key, value)) in members.iter().enumerate() {
-        if i > 0 {
-            out.push(b',');
-        }
-        let _ = serde_json::to_writer(&mut out, key);
-        out.push(b':');
-        if key == "version" {
-            seen = true;
-            out.extend_from_slice(version.to_string().as_bytes());
-        } else {
-            out.extend_from_slice(value.get().as_bytes());
+            }),
         }
     }
-    if !seen {
-        if !members.is_empty() {
-            out.push(b',');
+
+    /// The object's bytes with its top-level `version` set (added at the end when absent).
+    pub fn with_version(&self, version: u64) -> Vec<u8> {
+        let Members(members) = &self.members;
+        let size = members.iter().map(|(k, v)| k.len() + v.get().len() + 4).sum::<usize>();
+        let mut out = Vec::with_capacity(size + 32);
+        out.push(b'{');
+        let mut seen = false;
+        for (i, (key, value)) in members.iter().enumerate() {
+            if i > 0 {
+                out.push(b',');
+            }
+            let _ = serde_json::to_writer(&mut out, key);
+            out.push(b':');
+            if key == "version" {
+                seen = true;
+                out.extend_from_slice(version.to_string().as_bytes());
+            } else {
+                out.extend_from_slice(value.get().as_bytes());
+            }
         }
-        out.extend_from_slice(format!("\"version\":{version}").as_bytes());
+        if !seen {
+            if !members.is_empty() {
+                out.push(b',');
+            }
+            out.extend_from_slice(format!("\"version\":{version}").as_bytes());
+        }
+        out.push(b'}');
+        out
     }
-    out.push(b'}');
-    Ok(out)
 }
 
 /// What is read of a stored message: its id.
@@ -139,12 +199,13 @@ pub struct RawBatch<'a> {
     session: &'a SessionId,
     fields: Vec<(Cow<'a, str>, Field<'a>)>,
     messages: Vec<Message<'a>>,
-    /// The id of each message of `messages`, in order.
-    message_ids: Vec<String>,
+    /// The id of each message of `messages`, in order (shared with `index` and the digest
+    /// cache: a batch allocates no id of a message it has seen before).
+    message_ids: Vec<Arc<str>>,
     /// The key in a [`DigestCache`] of each stored message (its bytes' hash and length).
     keys: Vec<(u64, usize)>,
     /// The ids an append skips: every stored message's and the recently compacted ones.
-    index: HashSet<String>,
+    index: HashSet<Arc<str>>,
     turn: u64,
     stored_version: u64,
 }
@@ -153,17 +214,17 @@ impl<'a> RawBatch<'a> {
     /// The stored document, when it can be taken raw (see the module's comment).
     /// Ids are taken from `cache` for messages whose bytes it knows.
     pub fn parse(session: &'a SessionId, stored: &'a [u8], cache: &DigestCache) -> Option<Self> {
-        let Members(members) = serde_json::from_slice(stored).ok()?;
+        let StoredMembers(members) = serde_json::from_slice(stored).ok()?;
         let mut fields = Vec::with_capacity(members.len());
         let mut messages = Vec::new();
         let mut message_ids = Vec::new();
         let mut keys = Vec::new();
         let mut index = HashSet::new();
         let (mut turn, mut version) = (0, 0);
-        for (key, raw) in members {
-            match &*key {
-                "messages" => {
-                    let list: Vec<&'a RawValue> = serde_json::from_str(raw.get()).ok()?;
+        for (key, member) in members {
+            let raw = match member {
+                Member::Raw(raw) => raw,
+                Member::Messages(list) => {
                     messages.reserve(list.len() + 16);
                     message_ids.reserve(list.len() + 16);
                     keys.reserve(list.len());
@@ -176,7 +237,7 @@ impl<'a> RawBatch<'a> {
                         let key = cache.key(m.get());
                         let id = match cache.entries.get(&key) {
                             Some(known) => known.id.clone(),
-                            None => serde_json::from_str::<MessageId>(m.get()).ok()?.id?.into_owned(),
+                            None => Arc::from(serde_json::from_str::<MessageId>(m.get()).ok()?.id?),
                         };
                         index.insert(id.clone());
                         message_ids.push(id);
@@ -187,11 +248,13 @@ impl<'a> RawBatch<'a> {
                     fields.push((key, Field::Set(String::new())));
                     continue;
                 }
+            };
+            match &*key {
                 "turn" => turn = serde_json::from_str::<Value>(raw.get()).ok()?.as_u64().unwrap_or(0),
                 "version" => version = serde_json::from_str::<Value>(raw.get()).ok()?.as_u64().unwrap_or(0),
                 COMPACTED_IDS => {
                     if let Ok(Value::Array(ids)) = serde_json::from_str::<Value>(raw.get()) {
-                        index.extend(ids.iter().filter_map(Value::as_str).map(str::to_owned));
+                        index.extend(ids.iter().filter_map(Value::as_str).map(Arc::from));
                     }
                 }
                 _ => {}
@@ -227,7 +290,7 @@ impl<'a> RawBatch<'a> {
                 None => (ids.next_id(), true),
             };
             applied.message_ids.push(id.clone());
-            if self.index.contains(&id) {
+            if self.index.contains(id.as_str()) {
                 continue;
             }
             let mut message = message.clone();
@@ -238,6 +301,7 @@ impl<'a> RawBatch<'a> {
                 obj.entry("turn").or_insert_with(|| Value::from(turn));
             }
             self.messages.push(Message::New(message.to_string()));
+            let id: Arc<str> = Arc::from(id);
             self.message_ids.push(id.clone());
             self.index.insert(id);
         }
@@ -317,7 +381,41 @@ impl Finished<'_> {
     /// taken from `cache` where the message's bytes are unchanged, and `cache` is left with
     /// exactly this document's messages: a proxy digests each message once, not once per
     /// commit.
+    #[cfg(test)]
     pub fn snapshot(&self, version: u64, cache: &mut DigestCache) -> Snapshot {
+        let (field_digests, message_digests) = self.digests(cache);
+        Snapshot {
+            version,
+            field_digests,
+            message_ids: self.batch.message_ids.iter().map(|id| id.to_string()).collect(),
+            message_digests: message_digests.iter().map(|d| d.to_string()).collect(),
+        }
+    }
+
+    /// The document's snapshot as [`snapshot`](Self::snapshot) makes it, serialized: the ids
+    /// and digests are written from where they are kept, never copied one by one.
+    pub fn snapshot_json(&self, version: u64, cache: &mut DigestCache) -> Vec<u8> {
+        /// [`Snapshot`]'s serialized form, borrowed.
+        #[derive(serde::Serialize)]
+        struct Borrowed<'b> {
+            version: u64,
+            field_digests: Map<String, Value>,
+            message_ids: Vec<&'b str>,
+            message_digests: Vec<&'b str>,
+        }
+        let (field_digests, message_digests) = self.digests(cache);
+        let out = Borrowed {
+            version,
+            field_digests,
+            message_ids: self.batch.message_ids.iter().map(|id| &**id).collect(),
+            message_digests: message_digests.iter().map(|d| &**d).collect(),
+        };
+        serde_json::to_vec(&out).unwrap_or_default()
+    }
+
+    /// The digest trees of the fields and the digest of each message (see
+    /// [`snapshot`](Self::snapshot)), `cache` left with this document's messages.
+    fn digests(&self, cache: &mut DigestCache) -> (Map<String, Value>, Vec<Arc<str>>) {
         let field_digests = self
             .batch
             .fields
@@ -328,7 +426,7 @@ impl Finished<'_> {
                 (k.to_string(), digest_tree(&value))
             })
             .collect();
-        let mut next = HashMap::with_capacity(self.batch.messages.len());
+        let mut next = HashMap::with_capacity_and_hasher(self.batch.messages.len(), Default::default());
         let mut message_digests = Vec::with_capacity(self.batch.messages.len());
         for (i, (id, m)) in self.batch.message_ids.iter().zip(&self.batch.messages).enumerate() {
             let json = m.json();
@@ -340,19 +438,14 @@ impl Finished<'_> {
                 Some(known) if known.id == *id => known,
                 _ => Known {
                     id: id.clone(),
-                    digest: digest(&serde_json::from_str::<Value>(json).unwrap_or(Value::Null)),
+                    digest: Arc::from(digest(&serde_json::from_str::<Value>(json).unwrap_or(Value::Null))),
                 },
             };
             message_digests.push(known.digest.clone());
             next.insert(key, known);
         }
         cache.entries = next;
-        Snapshot {
-            version,
-            field_digests,
-            message_ids: self.batch.message_ids.clone(),
-            message_digests,
-        }
+        (field_digests, message_digests)
     }
 }
 
@@ -363,12 +456,37 @@ impl Finished<'_> {
 pub struct DigestCache {
     /// Keyed at random: nobody can make two messages' hashes collide on purpose.
     hasher: RandomState,
-    entries: HashMap<(u64, usize), Known>,
+    entries: HashMap<(u64, usize), Known, BuildHasherDefault<KeyHasher>>,
+}
+
+/// The hasher of a [`DigestCache`]'s map: its keys are already keyed hashes, so their bits are
+/// taken as they are instead of being hashed a second time.
+#[derive(Default)]
+struct KeyHasher(u64);
+
+impl Hasher for KeyHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(*b);
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 ^= n;
+    }
+
+    fn write_usize(&mut self, n: usize) {
+        self.0 ^= (n as u64).rotate_left(32);
+    }
 }
 
 struct Known {
-    id: String,
-    digest: String,
+    id: Arc<str>,
+    digest: Arc<str>,
 }
 
 impl DigestCache {
@@ -528,7 +646,7 @@ mod tests {
             "messages": [{"id": "m-1", "b": 1, "a": 2}, {"id": "m-2"}]});
         let bytes = serde_json::to_vec(&stored).unwrap_or_default();
         let mut cache = DigestCache::default();
-        for round in 0..2 {
+        for round in 0..4 {
             let Some(mut raw) = RawBatch::parse(&session, &bytes, &cache) else {
                 panic!("not taken raw");
             };
@@ -536,7 +654,13 @@ mod tests {
             let finished = raw.finish(3, 7);
             let doc: Value = serde_json::from_str(&finished.body).unwrap_or_default();
             let expected = Snapshot::of(doc.as_object().unwrap_or(&Map::new()));
-            assert_eq!(finished.snapshot(3, &mut cache), expected);
+            // Alternately as a value and serialized, as the proxy stores it.
+            if round % 2 == 0 {
+                assert_eq!(finished.snapshot(3, &mut cache), expected);
+            } else {
+                let stored = serde_json::from_slice::<Snapshot>(&finished.snapshot_json(3, &mut cache));
+                assert!(matches!(stored, Ok(ref s) if *s == expected), "{stored:?}");
+            }
             assert_eq!(cache.len(), 3, "the cache holds this document's messages only");
         }
     }

@@ -96,6 +96,109 @@ impl From<WriteError> for Answer {
     }
 }
 
+/// Why a request was answered outside the write pipeline: refused at the edge before any lock
+/// (the request does not make a valid write, or its body is too large or too slow), by routing
+/// (the path), by the pass-through (the store failed), by the panic guard, or by transparent
+/// mode's choice of destination. Its status, code and extra fields are decided here, in
+/// [`Refusal::from`], as a write's are in `From<WriteError> for Answer`.
+#[derive(Debug, thiserror::Error)]
+pub enum EdgeError {
+    /// The request does not make a valid write; `code` names what to fix (`invalid_messages`,
+    /// `malformed_json`, `invalid_session_id`, …).
+    #[error("{message}")]
+    Invalid { code: &'static str, message: String },
+    /// A replacement without `If-Match`.
+    #[error("{0}")]
+    PreconditionRequired(&'static str),
+    /// A weak `If-Match` where a strong one is needed.
+    #[error("If-Match is compared strongly (RFC 9110): a weak entity tag (W/\"…\") never matches")]
+    WeakIfMatch,
+    /// A write body that is not declared JSON.
+    #[error("writes must be JSON (application/json or application/merge-patch+json), not {0:?}")]
+    UnsupportedMediaType(String),
+    /// A body over the write limit, declared or streamed.
+    #[error("the body is larger than the limit of {limit} bytes")]
+    BodyTooLarge { limit: usize },
+    /// A body not received in time.
+    #[error("the body was not received within {} s", .0.as_secs())]
+    BodyTimeout(Duration),
+    /// A path that matches several write routes.
+    #[error("{0}")]
+    AmbiguousPath(String),
+    /// A path that does not make a URI on the store.
+    #[error("{0}")]
+    InvalidPath(String),
+    /// The store failed a request passed through (or turnlock could not sign it for the store).
+    #[error(transparent)]
+    Forward(#[from] UpstreamError),
+    /// A request handler panicked.
+    #[error("turnlock failed while handling this request")]
+    Panic,
+    /// Transparent mode has no store for an intercepted destination (`code` says why).
+    #[error("{message}")]
+    NoDestination { code: &'static str, message: String },
+    /// The sidecar's own connection was intercepted and sent back to it.
+    #[error(
+        "the sidecar's own connection to {0} was intercepted and sent back to it: it runs as a user id \
+         the interception rules do not exclude"
+    )]
+    ForwardingLoop(std::net::SocketAddr),
+}
+
+/// An answer decided outside the write pipeline (see [`EdgeError`]): a status, a specific
+/// error code, a message saying what to fix, and extra fields; put in the route's dialect by
+/// `proxy::dialect`, or as turnlock's JSON by [`Refusal::into_response`].
+#[derive(Debug)]
+pub struct Refusal {
+    pub status: StatusCode,
+    pub code: &'static str,
+    pub message: String,
+    pub extra: Option<serde_json::Value>,
+}
+
+impl From<EdgeError> for Refusal {
+    fn from(e: EdgeError) -> Self {
+        let (status, code, extra) = match &e {
+            EdgeError::Invalid { code, .. } => (StatusCode::BAD_REQUEST, *code, None),
+            EdgeError::PreconditionRequired(_) => (StatusCode::PRECONDITION_REQUIRED, "precondition_required", None),
+            EdgeError::WeakIfMatch => (StatusCode::PRECONDITION_FAILED, "version_mismatch", None),
+            EdgeError::UnsupportedMediaType(_) => (StatusCode::UNSUPPORTED_MEDIA_TYPE, "unsupported_media_type", None),
+            EdgeError::BodyTooLarge { limit } => (
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "body_too_large",
+                Some(json!({"limit": limit})),
+            ),
+            EdgeError::BodyTimeout(_) => (StatusCode::REQUEST_TIMEOUT, "body_timeout", None),
+            EdgeError::AmbiguousPath(_) => (StatusCode::BAD_REQUEST, "ambiguous_path", None),
+            EdgeError::InvalidPath(_) => (StatusCode::BAD_REQUEST, "invalid_path", None),
+            EdgeError::Forward(u) => (u.status(), u.code(), None),
+            EdgeError::Panic => (StatusCode::INTERNAL_SERVER_ERROR, "internal", None),
+            EdgeError::NoDestination { code, .. } => (StatusCode::BAD_GATEWAY, *code, None),
+            EdgeError::ForwardingLoop(_) => (StatusCode::LOOP_DETECTED, "forwarding_loop", None),
+        };
+        Refusal {
+            status,
+            code,
+            message: e.to_string(),
+            extra,
+        }
+    }
+}
+
+impl Refusal {
+    /// The answer in turnlock's JSON (`{"error", "message", …}`).
+    pub fn into_response(self) -> http::Response<crate::http::Body> {
+        crate::http::error(self.status, self.code, self.message, self.extra)
+    }
+}
+
+impl EdgeError {
+    /// The answer in turnlock's JSON.
+    pub fn into_response(self) -> http::Response<crate::http::Body> {
+        Refusal::from(self).into_response()
+    }
+}
+
 fn refused(e: &MergeError) -> Answer {
     let (status, extra) = match e {
         MergeError::StaleTurn { current, .. } => (StatusCode::CONFLICT, Some(json!({"current_turn": current}))),
@@ -204,6 +307,88 @@ mod tests {
             (StatusCode::PAYLOAD_TOO_LARGE, Some(5))
         );
         assert_eq!(body(&a)["error"], "document_too_large");
+    }
+
+    #[test]
+    fn edge_refusals_get_their_status_and_code_here() {
+        let cases: [(EdgeError, StatusCode, &str); 12] = [
+            (
+                EdgeError::Invalid {
+                    code: "malformed_json",
+                    message: "x".into(),
+                },
+                StatusCode::BAD_REQUEST,
+                "malformed_json",
+            ),
+            (
+                EdgeError::PreconditionRequired("needs If-Match"),
+                StatusCode::PRECONDITION_REQUIRED,
+                "precondition_required",
+            ),
+            (
+                EdgeError::WeakIfMatch,
+                StatusCode::PRECONDITION_FAILED,
+                "version_mismatch",
+            ),
+            (
+                EdgeError::UnsupportedMediaType("text/plain".into()),
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "unsupported_media_type",
+            ),
+            (
+                EdgeError::BodyTooLarge { limit: 10 },
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "body_too_large",
+            ),
+            (
+                EdgeError::BodyTimeout(Duration::from_secs(10)),
+                StatusCode::REQUEST_TIMEOUT,
+                "body_timeout",
+            ),
+            (
+                EdgeError::AmbiguousPath("a".into()),
+                StatusCode::BAD_REQUEST,
+                "ambiguous_path",
+            ),
+            (
+                EdgeError::InvalidPath("p".into()),
+                StatusCode::BAD_REQUEST,
+                "invalid_path",
+            ),
+            (
+                EdgeError::Forward(UpstreamError::Unreachable("refused".into())),
+                StatusCode::BAD_GATEWAY,
+                "upstream_unavailable",
+            ),
+            (EdgeError::Panic, StatusCode::INTERNAL_SERVER_ERROR, "internal"),
+            (
+                EdgeError::NoDestination {
+                    code: "unknown_destination",
+                    message: "m".into(),
+                },
+                StatusCode::BAD_GATEWAY,
+                "unknown_destination",
+            ),
+            (
+                EdgeError::ForwardingLoop(std::net::SocketAddr::from(([127, 0, 0, 1], 80))),
+                StatusCode::LOOP_DETECTED,
+                "forwarding_loop",
+            ),
+        ];
+        for (e, status, code) in cases {
+            let r = Refusal::from(e);
+            assert_eq!((r.status, r.code), (status, code));
+            assert!(!r.message.is_empty(), "{code} without a message");
+        }
+        let r = Refusal::from(EdgeError::BodyTooLarge { limit: 10 });
+        assert_eq!(r.extra, Some(json!({"limit": 10})));
+        let timeout = Refusal::from(EdgeError::Forward(UpstreamError::Timeout(Duration::from_secs(5))));
+        assert_eq!(
+            (timeout.status, timeout.code),
+            (StatusCode::GATEWAY_TIMEOUT, "upstream_timeout")
+        );
+        let res = EdgeError::Panic.into_response();
+        assert_eq!(res.status(), StatusCode::INTERNAL_SERVER_ERROR);
     }
 
     #[test]

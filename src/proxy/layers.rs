@@ -13,13 +13,13 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
-use http::{Request, Response, StatusCode};
+use http::{Request, Response};
 use tower::util::BoxCloneService;
 use tower::{Layer, Service, ServiceBuilder};
 use tower_http::catch_panic::CatchPanicLayer;
 use tower_http::trace::TraceLayer;
 
-use crate::http::{error, Body, BoxError};
+use crate::http::{Body, BoxError};
 use crate::metrics::{ErrorCode, Metrics, RouteName};
 
 /// The body of every answer the stack gives (catch-panic boxes it once more).
@@ -52,12 +52,7 @@ fn panic_answer(panic: Box<dyn Any + Send + 'static>) -> Response<Body> {
         .or_else(|| panic.downcast_ref::<String>().cloned())
         .unwrap_or_default();
     tracing::error!(panic = %what, "a request handler panicked");
-    error(
-        StatusCode::INTERNAL_SERVER_ERROR,
-        "internal",
-        "turnlock failed while handling this request",
-        None,
-    )
+    super::EdgeError::Panic.into_response()
 }
 
 /// Counts each answer in `turnlock_requests_total` by its route, status and error code.
@@ -112,6 +107,7 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+    use http::StatusCode;
     use tower::ServiceExt;
 
     fn answer(route: Option<&'static str>, status: StatusCode, code: Option<&'static str>) -> Response<Body> {

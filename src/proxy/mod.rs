@@ -29,7 +29,7 @@ mod passthrough;
 mod pipeline;
 mod request;
 
-pub use self::error::WriteError;
+pub use self::error::{EdgeError, WriteError};
 pub use self::factory::ProxyFactory;
 pub use self::layers::{stack, RequestMetrics, Stack, StackBody};
 pub use self::pipeline::{Pipeline, Settings as PipelineSettings};
@@ -44,7 +44,7 @@ use http::header::{self, HeaderValue};
 use http::{Request, Response, StatusCode};
 use http_body_util::BodyExt;
 
-use crate::http::{error, Body, BoxError};
+use crate::http::{Body, BoxError};
 use crate::metrics::{ErrorCode, Metrics, RouteName};
 use crate::routes::Routes;
 use crate::upstream::Upstream;
@@ -120,7 +120,7 @@ impl Proxy {
             Ok(_) => ("forward", self.forward(req, peer).await),
             Err(ambiguous) => (
                 "ambiguous",
-                error(StatusCode::BAD_REQUEST, "ambiguous_path", ambiguous, None),
+                EdgeError::AmbiguousPath(ambiguous.to_string()).into_response(),
             ),
         };
         res.extensions_mut().insert(RouteName(route_name));
@@ -139,7 +139,7 @@ impl Proxy {
         let (mut parts, body) = req.into_parts();
         parts.uri = match upstream.uri_of(&parts.uri) {
             Ok(u) => u,
-            Err(e) => return error(StatusCode::BAD_REQUEST, "invalid_path", e, None),
+            Err(e) => return EdgeError::InvalidPath(e.to_string()).into_response(),
         };
         crate::http::strip_hop_by_hop(&mut parts.headers);
         if let Some(protocol) = upgrade {
@@ -152,7 +152,7 @@ impl Proxy {
         parts.version = http::Version::HTTP_11;
         let parts = match upstream.sign_forwarded(parts) {
             Ok(parts) => parts,
-            Err(e) => return error(e.status(), e.code(), e, None),
+            Err(e) => return EdgeError::Forward(e).into_response(),
         };
         // A request without a body (most reads) is sent as it is: nothing to report.
         let (req, body_sent) = if http_body::Body::is_end_stream(&body) {
@@ -181,7 +181,7 @@ impl Proxy {
             }
             Err(e) => {
                 let code = e.code();
-                let mut res = error(e.status(), code, e, None);
+                let mut res = EdgeError::Forward(e).into_response();
                 res.extensions_mut().insert(ErrorCode(code));
                 res
             }

@@ -7,6 +7,7 @@ use dashmap::DashMap;
 use redis::Script;
 
 use super::{Expect, PutOutcome};
+use crate::merge::RawDocument;
 use crate::redis_conn::{RedisConn, DEFAULT_RESPONSE_TIMEOUT};
 
 #[derive(Debug, thiserror::Error)]
@@ -34,8 +35,8 @@ pub struct Stored {
 
 /// The stored form: the document (a JSON object, checked by the caller) with its `version`
 /// field set to the store's version, every other field as the client sent it.
-fn encode(doc: &[u8], version: u64) -> Bytes {
-    Bytes::from(crate::merge::with_version(doc, version).unwrap_or_default())
+fn encode(doc: &RawDocument<'_>, version: u64) -> Bytes {
+    Bytes::from(doc.with_version(version))
 }
 
 fn allowed(expect: Expect, current: Option<u64>) -> bool {
@@ -89,7 +90,7 @@ impl Backend {
     pub async fn put(
         &self,
         id: &str,
-        doc: Bytes,
+        doc: &RawDocument<'_>,
         expect: Expect,
         fence: Option<u64>,
     ) -> Result<PutOutcome, BackendError> {
@@ -107,7 +108,7 @@ impl Backend {
                     return Ok(PutOutcome::PreconditionFailed);
                 }
                 let version = current.unwrap_or(0) + 1;
-                let body = encode(&doc, version);
+                let body = encode(doc, version);
                 let stored = Stored {
                     version,
                     body: body.clone(),
@@ -140,7 +141,7 @@ impl Backend {
                         return Ok(PutOutcome::PreconditionFailed);
                     }
                     let base = current.unwrap_or(0);
-                    let body = encode(&doc, base + 1);
+                    let body = encode(doc, base + 1);
                     let script = put.clone();
                     let (k, b) = (key.clone(), body.clone());
                     let reply: i64 = conn

@@ -1,7 +1,8 @@
 //! The reference context store: a plain JSON document store over HTTP.
 //!
 //! `GET`/`PUT`/`DELETE /v1/sessions/{id}`, `ETag` = version, `If-Match` and
-//! `If-None-Match: *` honoured (412 on mismatch). It is deliberately plain: a client that does
+//! `If-None-Match: *` honoured (412 on mismatch); a `PUT` with `Prefer: return=minimal` is
+//! answered without the document (its version in the `ETag`). It is deliberately plain: a client that does
 //! GET-modify-PUT without preconditions loses updates against it, exactly as against any
 //! key-value or document store. Documents live in memory, or in Redis with `--redis`.
 
@@ -219,6 +220,7 @@ impl Store {
             },
             _ => None,
         };
+        let minimal = prefers_minimal(req.headers());
         let bytes = match Limited::new(req.into_body(), self.max_body).collect().await {
             Ok(c) => c.to_bytes(),
             Err(_) => {
@@ -230,9 +232,10 @@ impl Store {
                 ))
             }
         };
-        // Checked as a JSON object without parsing it into values: the store keeps the bytes.
-        match crate::merge::with_version(&bytes, 0) {
-            Ok(_) => {}
+        // Checked once as a JSON object without parsing it into values: the store keeps the
+        // bytes, and sets the version on them under its lock without parsing them again.
+        let doc = match crate::merge::RawDocument::parse(&bytes) {
+            Ok(doc) => doc,
             Err(crate::merge::NotADocument::NotAnObject) => {
                 return Ok(error(
                     StatusCode::BAD_REQUEST,
@@ -244,9 +247,10 @@ impl Store {
             Err(crate::merge::NotADocument::Malformed(e)) => {
                 return Ok(error(StatusCode::BAD_REQUEST, "malformed_json", e, None))
             }
-        }
-        let doc = bytes;
-        Ok(match self.backend.put(id, doc, expect, fence).await? {
+        };
+        let outcome = self.backend.put(id, &doc, expect, fence).await?;
+        drop(doc);
+        Ok(match outcome {
             PutOutcome::Fenced { token, highest } => error(
                 StatusCode::CONFLICT,
                 "stale_fencing_token",
@@ -261,7 +265,16 @@ impl Store {
             ),
             PutOutcome::Stored { version, created, body } => {
                 let status = if created { StatusCode::CREATED } else { StatusCode::OK };
-                self.document(status, version, body)
+                if minimal {
+                    // The version is in the entity tag; the document is not sent back.
+                    let mut res = self.document(status, version, Bytes::new());
+                    res.headers_mut().remove(header::CONTENT_TYPE);
+                    res.headers_mut()
+                        .insert(PREFERENCE_APPLIED, HeaderValue::from_static("return=minimal"));
+                    res
+                } else {
+                    self.document(status, version, body)
+                }
             }
         })
     }
@@ -301,6 +314,22 @@ impl Store {
         }
         res
     }
+}
+
+const PREFERENCE_APPLIED: &str = "preference-applied";
+
+/// Whether a request states `Prefer: return=minimal` (RFC 7240): a write answered without the
+/// document, which the writer already has.
+fn prefers_minimal(headers: &http::HeaderMap) -> bool {
+    headers.get_all(crate::upstream::PREFER).iter().any(|v| {
+        v.to_str().is_ok_and(|list| {
+            list.split(',').any(|p| {
+                p.split(';')
+                    .next()
+                    .is_some_and(|p| p.trim().eq_ignore_ascii_case(crate::upstream::RETURN_MINIMAL))
+            })
+        })
+    })
 }
 
 /// Whether an `If-None-Match` list names `version` (or is `*`).

@@ -38,3 +38,4 @@ mod tls_store;
 mod transparent_netns;
 mod weak_store;
 mod web_identity;
+mod write_back;

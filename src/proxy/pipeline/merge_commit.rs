@@ -192,18 +192,28 @@ pub(super) async fn merge_attempts(
                 false,
             );
         }
-        match s
+        // The version's snapshot is made while the store takes the write-back (the PUT is
+        // sent first): it is off the lock's critical path. Its cache only maps messages'
+        // bytes to their ids and digests, so one made for a write-back that then fails is
+        // still right.
+        let precondition = fence.precondition();
+        let put = s
             .upstream
-            .put_document_with(path, body, &fence.precondition(), lease.fence(), store)
-            .await
-        {
+            .put_document_with(path, body, &precondition, lease.fence(), store);
+        let snapshot = async {
+            tokio::task::yield_now().await;
+            s.settings
+                .snapshots
+                .then(|| written.snapshot_json(new_version, &mut lock(&digests)))
+        };
+        let (put, snapshot) = tokio::join!(put, snapshot);
+        match put {
             Ok(etag) => {
                 // Only a merged PUT reads a snapshot back: without such a route none is kept.
-                if s.settings.snapshots {
-                    let snapshot = written.snapshot(new_version, &mut lock(&digests));
+                if let Some(snapshot) = snapshot {
                     records.push(Entry {
                         key: queue.scope.history(new_version),
-                        value: Bytes::from(serde_json::to_vec(&snapshot).unwrap_or_default()),
+                        value: Bytes::from(snapshot),
                         ttl: s.settings.history_ttl,
                         expect: None,
                     });
@@ -288,10 +298,11 @@ impl Written<'_> {
         }
     }
 
-    fn snapshot(&self, version: u64, cache: &mut DigestCache) -> Snapshot {
+    /// The snapshot of the version written, serialized.
+    fn snapshot_json(&self, version: u64, cache: &mut DigestCache) -> Vec<u8> {
         match self {
-            Written::Values(doc) => Snapshot::of(doc),
-            Written::Raw(doc) => doc.snapshot(version, cache),
+            Written::Values(doc) => serde_json::to_vec(&Snapshot::of(doc)).unwrap_or_default(),
+            Written::Raw(doc) => doc.snapshot_json(version, cache),
         }
     }
 }

@@ -3,16 +3,19 @@
 
 use bytes::Bytes;
 use http::header::{self, HeaderMap};
-use http::{Method, StatusCode};
+use http::Method;
 use http_body_util::BodyExt;
 use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 
-use crate::http::{error, version_from_etag, Body};
-use crate::merge::{assign_ids, canonical, validate_messages, KeyedIds, Op, COMPACTED_IDS, LIFE};
+use crate::merge::{assign_ids, canonical, KeyedIds, Op};
 use crate::routes::{AnswerForm, Captures, Kind, Mode, Route, TurnSource};
 use crate::session::{resolve_turn, turn_from_header, turn_from_json, SessionId, TurnError};
 use crate::upstream::StoreParts;
+
+mod op;
+
+use self::op::build_op;
 
 pub const SESSION_TURN: &str = "x-session-turn";
 pub const CONTEXT_REPLACE: &str = "x-context-replace";
@@ -84,33 +87,15 @@ pub struct Idempotency {
     pub fingerprint: String,
 }
 
-/// A request refused at the edge, before any lock: a status, a specific error code, and a
-/// message saying what to fix.
-#[derive(Debug)]
-pub struct Refusal {
-    pub status: StatusCode,
-    pub code: &'static str,
-    pub message: String,
-    pub extra: Option<Value>,
-}
+use super::error::EdgeError;
+pub use super::error::Refusal;
 
-impl Refusal {
-    fn new(status: StatusCode, code: &'static str, message: impl std::fmt::Display) -> Self {
-        Self {
-            status,
-            code,
-            message: message.to_string(),
-            extra: None,
-        }
-    }
-
-    pub fn into_response(self) -> http::Response<Body> {
-        error(self.status, self.code, self.message, self.extra)
-    }
-}
-
+/// A request that does not make a valid write: `code` names what to fix.
 fn bad(code: &'static str, message: impl std::fmt::Display) -> Refusal {
-    Refusal::new(StatusCode::BAD_REQUEST, code, message)
+    Refusal::from(EdgeError::Invalid {
+        code,
+        message: message.to_string(),
+    })
 }
 
 /// The size limits of a write's body.
@@ -206,13 +191,7 @@ pub async fn parse(
         check_content_type(&parts.headers, route.strict_content_type)?;
     }
     let bytes = match tokio::time::timeout(BODY_READ_TIMEOUT, read_limited(body, max_body)).await {
-        Err(_) => {
-            return Err(Refusal::new(
-                StatusCode::REQUEST_TIMEOUT,
-                "body_timeout",
-                format!("the body was not received within {} s", BODY_READ_TIMEOUT.as_secs()),
-            ))
-        }
+        Err(_) => return Err(EdgeError::BodyTimeout(BODY_READ_TIMEOUT).into()),
         Ok(Ok(bytes)) => bytes,
         Ok(Err(None)) => return Err(too_large(max_body)),
         Ok(Err(Some(e))) => return Err(bad("body_read_failed", format!("could not read the request body: {e}"))),
@@ -390,142 +369,6 @@ fn wait_deadline(headers: &HeaderMap) -> Result<Option<std::time::Duration>, Ref
     }
 }
 
-fn build_op(
-    kind: Kind,
-    mut doc: Map<String, Value>,
-    replace: bool,
-    if_match: Option<&http::HeaderValue>,
-    turn_field: Option<&str>,
-) -> Result<Op, Refusal> {
-    let if_match = match if_match {
-        None => None,
-        Some(v) => Some(parse_if_match(v)?),
-    };
-    Ok(match kind {
-        Kind::Append => {
-            if let Some(id) = duplicate_id(&doc) {
-                return Err(bad(
-                    "invalid_messages",
-                    format!("message id {id:?} appears more than once in `messages`"),
-                ));
-            }
-            let messages = doc.remove("messages").ok_or_else(|| {
-                bad(
-                    "invalid_messages",
-                    "an append needs `messages`: an array of message objects",
-                )
-            })?;
-            Op::Append {
-                messages: validate_messages(&messages).map_err(|m| bad("invalid_messages", m))?,
-            }
-        }
-        Kind::Patch => {
-            if let Some(field) = ["messages", "session", "version", COMPACTED_IDS, LIFE]
-                .into_iter()
-                .find(|f| doc.contains_key(*f))
-            {
-                return Err(bad(
-                    "forbidden_field",
-                    format!("a patch cannot set `{field}`; append messages with POST …/messages"),
-                ));
-            }
-            Op::Patch { patch: doc }
-        }
-        Kind::Put if replace => {
-            let if_match = match if_match {
-                None => {
-                    return Err(Refusal::new(
-                        StatusCode::PRECONDITION_REQUIRED,
-                        "precondition_required",
-                        "a replacement (X-Context-Replace: true) needs If-Match with the version read",
-                    ))
-                }
-                Some(IfMatch::Weak(_)) => {
-                    return Err(Refusal::new(
-                        StatusCode::PRECONDITION_FAILED,
-                        "version_mismatch",
-                        "If-Match is compared strongly (RFC 9110): a weak entity tag (W/\"…\") never matches",
-                    ))
-                }
-                Some(IfMatch::Any) => None,
-                Some(IfMatch::Strong(v)) => Some(v),
-            };
-            check_messages_field(&doc)?;
-            Op::Replace { doc, if_match }
-        }
-        Kind::Put => {
-            check_messages_field(&doc)?;
-            let body_version = match doc.get("version") {
-                None => None,
-                Some(v) => Some(
-                    v.as_u64()
-                        .ok_or_else(|| bad("invalid_version", "`version` must be a non-negative integer"))?,
-                ),
-            };
-            let header_version = match if_match {
-                Some(IfMatch::Strong(v)) => Some(v),
-                Some(IfMatch::Weak(_)) => {
-                    return Err(Refusal::new(
-                        StatusCode::PRECONDITION_FAILED,
-                        "version_mismatch",
-                        "If-Match is compared strongly (RFC 9110): a weak entity tag (W/\"…\") never matches",
-                    ))
-                }
-                Some(IfMatch::Any) | None => None,
-            };
-            if let Some(id) = duplicate_id(&doc) {
-                return Err(bad(
-                    "invalid_messages",
-                    format!("message id {id:?} appears more than once in `messages`"),
-                ));
-            }
-            let base_version = match (body_version, header_version) {
-                (Some(b), Some(h)) if b != h => {
-                    return Err(bad(
-                        "versions_disagree",
-                        format!("body version {b} and If-Match {h} disagree; send the version read in both"),
-                    ))
-                }
-                (Some(v), _) | (None, Some(v)) => Some(v),
-                // Only a new session is created without one (else 428, under the lock).
-                (None, None) => None,
-            };
-            Op::Put { doc, base_version }
-        }
-        Kind::Delete => return Err(bad("invalid_route", "a delete carries no body to merge")),
-        Kind::Compact => {
-            let through = match doc.remove("through") {
-                Some(Value::String(s)) if !s.is_empty() => s,
-                _ => {
-                    return Err(bad(
-                        "invalid_through",
-                        "a compaction needs `through`: the id of the last message it summarizes",
-                    ))
-                }
-            };
-            let summary = doc.remove("summary");
-            if let Some(field) = doc.keys().find(|k| Some(k.as_str()) != turn_field) {
-                return Err(bad(
-                    "unknown_field",
-                    format!("a compaction takes `turn`, `through` and `summary`, not `{field}`"),
-                ));
-            }
-            Op::Compact { through, summary }
-        }
-    })
-}
-
-/// The first message id that appears twice in a document's `messages`, if any.
-fn duplicate_id(doc: &Map<String, Value>) -> Option<String> {
-    let mut seen = std::collections::HashSet::new();
-    doc.get("messages")?
-        .as_array()?
-        .iter()
-        .filter_map(|m| m.get("id")?.as_str())
-        .find(|id| !seen.insert(*id))
-        .map(str::to_owned)
-}
-
 /// The top-level body field the turn is read from, if any.
 fn turn_field(turn: &TurnSource) -> Option<String> {
     match turn {
@@ -536,35 +379,6 @@ fn turn_field(turn: &TurnSource) -> Option<String> {
             .filter(|s| !s.is_empty())
             .map(|s| s.replace("~1", "/").replace("~0", "~")),
         TurnSource::Header(_) => None,
-    }
-}
-
-/// An `If-Match` value: `*`, a strong or a weak entity tag holding a version.
-#[derive(Clone, Copy, Debug, PartialEq)]
-enum IfMatch {
-    Any,
-    Strong(u64),
-    Weak(u64),
-}
-
-fn parse_if_match(v: &http::HeaderValue) -> Result<IfMatch, Refusal> {
-    let invalid = || bad("invalid_if_match", "If-Match must hold the version read, e.g. \"12\"");
-    let raw = v.to_str().map_err(|_| invalid())?.trim();
-    if raw == "*" {
-        return Ok(IfMatch::Any);
-    }
-    let version = version_from_etag(raw).ok_or_else(invalid)?;
-    Ok(if raw.starts_with("W/") {
-        IfMatch::Weak(version)
-    } else {
-        IfMatch::Strong(version)
-    })
-}
-
-fn check_messages_field(doc: &Map<String, Value>) -> Result<(), Refusal> {
-    match doc.get("messages") {
-        None => Ok(()),
-        Some(m) => validate_messages(m).map(|_| ()).map_err(|e| bad("invalid_messages", e)),
     }
 }
 
@@ -583,11 +397,7 @@ fn check_content_type(headers: &HeaderMap, strict: bool) -> Result<(), Refusal> 
     {
         Ok(())
     } else {
-        Err(Refusal::new(
-            StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            "unsupported_media_type",
-            format!("writes must be JSON (application/json or application/merge-patch+json), not {ct:?}"),
-        ))
+        Err(EdgeError::UnsupportedMediaType(ct.to_owned()).into())
     }
 }
 
@@ -614,15 +424,8 @@ fn turn_refusal(e: TurnError) -> Refusal {
     bad(e.code(), e)
 }
 
-fn too_large(max: usize) -> Refusal {
-    Refusal {
-        extra: Some(serde_json::json!({"limit": max})),
-        ..Refusal::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "body_too_large",
-            format!("the body is larger than the limit of {max} bytes"),
-        )
-    }
+fn too_large(limit: usize) -> Refusal {
+    EdgeError::BodyTooLarge { limit }.into()
 }
 
 pub fn hex(bytes: &[u8]) -> String {
@@ -632,15 +435,6 @@ pub fn hex(bytes: &[u8]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn if_match_is_star_strong_or_weak() {
-        let parse = |v: &'static str| parse_if_match(&http::HeaderValue::from_static(v)).ok();
-        assert_eq!(parse("*"), Some(IfMatch::Any));
-        assert_eq!(parse("\"3\""), Some(IfMatch::Strong(3)));
-        assert_eq!(parse("W/\"3\""), Some(IfMatch::Weak(3)));
-        assert_eq!(parse("\"abc\""), None);
-    }
 
     #[test]
     fn the_turn_field_is_the_first_segment_of_its_pointer() {
