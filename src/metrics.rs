@@ -55,12 +55,15 @@ struct Build {
 
 /// Every error code an agent can be answered with: the bounded values of the `error` label.
 pub const ERROR_CODES: &[&str] = &[
+    "ambiguous_path",
     "body_read_failed",
     "body_timeout",
     "body_too_large",
     "conflict",
+    "document_too_large",
     "fenced_out",
     "forbidden_field",
+    "forwarding_loop",
     "idempotency_key_reused",
     "idempotency_record_unreadable",
     "internal",
@@ -73,6 +76,7 @@ pub const ERROR_CODES: &[&str] = &[
     "invalid_through",
     "invalid_turn",
     "invalid_version",
+    "invalid_wait_deadline",
     "lease_lost",
     "lock_unavailable",
     "malformed_json",
@@ -86,6 +90,7 @@ pub const ERROR_CODES: &[&str] = &[
     "stale_turn",
     "too_many_destinations",
     "turn_mismatch",
+    "unknown_field",
     "unknown_message",
     "unsupported_media_type",
     "upstream_conflict",
@@ -94,6 +99,7 @@ pub const ERROR_CODES: &[&str] = &[
     "upstream_timeout",
     "upstream_unavailable",
     "version_mismatch",
+    "versions_disagree",
     "write_conflict",
 ];
 

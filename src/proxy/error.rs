@@ -188,7 +188,10 @@ impl From<EdgeError> for Refusal {
 impl Refusal {
     /// The answer in turnlock's JSON (`{"error", "message", …}`).
     pub fn into_response(self) -> http::Response<crate::http::Body> {
-        crate::http::error(self.status, self.code, self.message, self.extra)
+        let label = crate::metrics::error_label(self.code);
+        let mut res = crate::http::error(self.status, self.code, self.message, self.extra);
+        res.extensions_mut().insert(crate::metrics::ErrorCode(label));
+        res
     }
 }
 

@@ -1000,3 +1000,62 @@ async fn changes_that_cannot_be_made_are_refused_not_acknowledged() {
     assert_eq!(stored["messages"][0]["content"], "A");
     proxy.stop().await;
 }
+
+/// Refusals decided at the edge are counted under their own error code, a merged PUT under
+/// `If-Match: *` never creates a session, and a turn header sent twice is refused.
+#[tokio::test]
+async fn edge_refusals_are_counted_by_code_and_ambiguous_preconditions_refused() {
+    let store = store().await;
+    let p = proxy(proxy_args(store.addr, None)).await;
+    let c = client(p.addr);
+    // A body that is not an object and an invalid wait deadline: refused at the edge.
+    let bad = c
+        .send(Method::POST, "/v1/sessions/e1/messages", Some(&json!("nope")), &[])
+        .await
+        .expect("answer");
+    assert_eq!(bad.status, StatusCode::BAD_REQUEST, "{}", bad.json);
+    let r = try_append(&c, "e1", 1, "a", true, &[("x-wait-deadline-ms", "0".into())])
+        .await
+        .expect("answer");
+    assert_eq!(r.json["error"], "invalid_wait_deadline", "{}", r.json);
+    let text = p.metrics.encode();
+    for code in ["invalid_body", "invalid_wait_deadline"] {
+        assert!(
+            text.lines()
+                .any(|l| l.starts_with("turnlock_requests_total{") && l.contains(&format!("error=\"{code}\""))),
+            "{code} not counted under its code:\n{text}"
+        );
+    }
+
+    // `If-Match: *` names a document that exists and no version: never a creation.
+    let r = put_doc(
+        &c,
+        "absent",
+        &json!({"turn": 1, "state": {}}),
+        &[("if-match", "*".into())],
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::PRECONDITION_REQUIRED, "{}", r.json);
+    assert_eq!(
+        get_doc(&client(store.addr), "absent").await.status,
+        StatusCode::NOT_FOUND
+    );
+
+    // Two turn headers: the store might read the other one.
+    let r = try_append(
+        &c,
+        "e2",
+        1,
+        "a",
+        true,
+        &[("x-session-turn", "1".into()), ("x-session-turn", "9".into())],
+    )
+    .await
+    .expect("answer");
+    assert_eq!(
+        (r.status, r.json["error"].as_str()),
+        (StatusCode::BAD_REQUEST, Some("invalid_turn")),
+        "{}",
+        r.json
+    );
+}

@@ -196,6 +196,19 @@ pub async fn parse(
         Ok(Err(None)) => return Err(too_large(max_body)),
         Ok(Err(Some(e))) => return Err(bad("body_read_failed", format!("could not read the request body: {e}"))),
     };
+    // A turn header sent twice could be read as one value here and as the other by the store.
+    let route_turn_header = match &route.turn {
+        TurnSource::Header(name) => Some(name.as_str()),
+        TurnSource::Body(_) => None,
+    };
+    for name in std::iter::once(SESSION_TURN).chain(route_turn_header) {
+        if parts.headers.get_all(name).iter().nth(1).is_some() {
+            return Err(bad(
+                "invalid_turn",
+                format!("`{name}` appears more than once; send one turn"),
+            ));
+        }
+    }
     let header_turn = match parts.headers.get(SESSION_TURN) {
         Some(v) => Some(turn_from_header(v.as_bytes()).map_err(turn_refusal)?),
         None => None,

@@ -77,6 +77,15 @@ pub(super) fn build_op(
             let header_version = match if_match {
                 Some(IfMatch::Strong(v)) => Some(v),
                 Some(IfMatch::Weak(_)) => return Err(EdgeError::WeakIfMatch.into()),
+                // `*` asks for a document that exists, but names no version to merge against:
+                // a merged PUT of a stored session needs the version read, and `*` never
+                // creates one (RFC 9110: false when there is no current representation).
+                Some(IfMatch::Any) if body_version.is_none() => {
+                    return Err(EdgeError::PreconditionRequired(
+                        "If-Match: * names no version: a merged PUT needs the version read (in `version` or If-Match), and never creates a session under `*`",
+                    )
+                    .into())
+                }
                 Some(IfMatch::Any) | None => None,
             };
             if let Some(id) = duplicate_id(&doc) {
