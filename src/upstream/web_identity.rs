@@ -30,6 +30,8 @@ const REFRESH_AT_LIFE_LEFT: u32 = 4;
 /// Pauses between attempts after a failed refresh.
 const RETRY_MIN: Duration = Duration::from_secs(1);
 const RETRY_MAX: Duration = Duration::from_secs(30);
+/// The longest pause between STS requests while no valid credentials are held.
+const RETRY_WITHOUT_CREDENTIALS: Duration = Duration::from_secs(2);
 
 /// Where the token and the role are named (the variables the AWS SDKs read).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -225,7 +227,9 @@ async fn refresh_loop(this: std::sync::Weak<WebIdentity>) {
                 pause
             }
             Err(error) => {
-                tracing::warn!(role = %provider.config.role_arn, %error, "web identity credentials not obtained; retrying");
+                if let Some(suppressed) = crate::telemetry::warn_allowed("web identity credentials") {
+                    tracing::warn!(role = %provider.config.role_arn, %error, suppressed, "web identity credentials not obtained; retrying");
+                }
                 let mut current = provider.current.lock().unwrap_or_else(|e| e.into_inner());
                 // Credentials still valid are kept: a failed refresh is retried before they expire.
                 let keep = matches!(&*current, Ok(c) if c.expiry().map_or(true, |at| at > SystemTime::now()));
@@ -233,8 +237,10 @@ async fn refresh_loop(this: std::sync::Weak<WebIdentity>) {
                     *current = Err(error.to_string());
                 }
                 let pause = retry;
-                retry = (retry * 2).min(RETRY_MAX);
-                pause
+                // Without valid credentials every signed request fails: STS is asked again
+                // soon, so writes resume within seconds of it answering.
+                retry = (retry * 2).min(if keep { RETRY_MAX } else { RETRY_WITHOUT_CREDENTIALS });
+                pause.min(if keep { RETRY_MAX } else { RETRY_WITHOUT_CREDENTIALS })
             }
         };
         drop(provider);
