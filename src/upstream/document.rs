@@ -147,7 +147,7 @@ impl Upstream {
         // The answer's body is not read in turnlock's own dialect: a store that honours the
         // preference (RFC 7240, as the reference store does) does not send the whole document
         // back. Not on a signed write, nor where the store's answer is the client's.
-        if self.signer.is_none() && !store.dialect.answers_natively() {
+        if self.signer.is_none() && store.dialect.answers_natively() {
             req = req.header(PREFER, RETURN_MINIMAL);
         }
         req = match precondition {
