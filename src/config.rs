@@ -349,15 +349,31 @@ fn upstream_is_listen_address(upstream: &str, listen: SocketAddr) -> bool {
     let Some(host) = uri.host() else {
         return false;
     };
-    let ip = match host.trim_start_matches('[').trim_end_matches(']') {
-        h if h.eq_ignore_ascii_case("localhost") => std::net::IpAddr::from([127, 0, 0, 1]),
-        h => match h.parse::<std::net::IpAddr>() {
-            Ok(ip) => ip,
-            Err(_) => return false,
-        },
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    let host = host.strip_suffix('.').unwrap_or(host);
+    let ips: Vec<std::net::IpAddr> = if host.eq_ignore_ascii_case("localhost") {
+        vec![[127, 0, 0, 1].into(), std::net::Ipv6Addr::LOCALHOST.into()]
+    } else if let Ok(ip) = host.parse::<std::net::IpAddr>() {
+        vec![ip]
+    } else if host
+        .bytes()
+        .all(|b| b.is_ascii_hexdigit() || b == b'.' || b == b'x' || b == b'X')
+    {
+        // The numeric spellings the resolver also takes (`127.1`, `2130706433`, `0x7f000001`):
+        // resolved as numbers, without asking DNS.
+        use std::net::ToSocketAddrs;
+        (host, port)
+            .to_socket_addrs()
+            .map(|a| a.map(|a| a.ip()).collect())
+            .unwrap_or_default()
+    } else {
+        return false;
     };
-    port == listen.port()
-        && (ip == listen.ip() || listen.ip().is_unspecified() || (ip.is_loopback() && listen.ip().is_loopback()))
+    let local = |ip: std::net::IpAddr| ip.is_loopback() || ip.is_unspecified();
+    ips.into_iter().map(|ip| ip.to_canonical()).any(|ip| {
+        port == listen.port()
+            && (ip == listen.ip() || listen.ip().is_unspecified() || (local(ip) && listen.ip().is_loopback()))
+    })
 }
 
 #[cfg(test)]

@@ -129,15 +129,20 @@ pub struct Migrated {
     pub deleted: usize,
 }
 
-/// Raises the new counter to the old one's value when lower (one key, one slot); a counter
-/// with no expiry gets the sessions' (ARGV[2], ms), as a session's write gives it.
+/// Raises the new counter to the old one's value when lower (one key, one slot), and makes it
+/// live at least as long as a session's (ARGV[2], ms), as a session's write does. Returns 0
+/// when the old counter is not a number (nothing carried).
 const RAISE: &str = r"
 local current = tonumber(redis.call('GET', KEYS[1]) or '0') or 0
 local old = tonumber(ARGV[1])
-if old and old > current then
+if not old then
+  return 0
+end
+if old > current then
   redis.call('SET', KEYS[1], ARGV[1], 'KEEPTTL')
 end
-if redis.call('PTTL', KEYS[1]) == -1 then
+local ttl = redis.call('PTTL', KEYS[1])
+if ttl == -1 or ttl < tonumber(ARGV[2]) then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
 end
 return 1
@@ -171,28 +176,32 @@ pub async fn migrate(conn: &RedisConn, prefix: &str, dry_run: bool) -> Result<Mi
     for key in &keys {
         if let Some(Old::Fence(id)) = old_kind(prefix, key) {
             let new_key = format!("{prefix}session:{{{id}}}:fence");
-            if dry_run {
+            let carried = if dry_run {
                 println!("carry {key} over to {new_key}");
+                true
             } else {
                 let key = key.as_str();
                 let new_key = new_key.as_str();
                 conn.run(|mut c| async move {
                     let old: Option<String> = redis::cmd("GET").arg(key).query_async(&mut c).await?;
-                    if let Some(old) = old {
-                        let script = redis::Script::new(RAISE);
-                        let _: i64 = script
-                            .key(new_key)
-                            .arg(old)
-                            .arg(CARRIED_TTL_MS)
-                            .invoke_async(&mut c)
-                            .await?;
-                    }
-                    Ok(())
+                    let Some(old) = old else { return Ok(false) };
+                    let script = redis::Script::new(RAISE);
+                    let carried: i64 = script
+                        .key(new_key)
+                        .arg(old)
+                        .arg(CARRIED_TTL_MS)
+                        .invoke_async(&mut c)
+                        .await?;
+                    Ok(carried == 1)
                 })
                 .await
-                .map_err(|e| format!("cannot carry {key} over: {e}"))?;
+                .map_err(|e| format!("cannot carry {key} over: {e}"))?
+            };
+            if carried {
+                done.fences_carried += 1;
+            } else {
+                tracing::warn!(key = %key, "old fencing counter is not a number; not carried over");
             }
-            done.fences_carried += 1;
         }
         if dry_run {
             println!("delete {key}");

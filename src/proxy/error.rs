@@ -113,6 +113,9 @@ pub enum EdgeError {
     /// A weak `If-Match` where a strong one is needed.
     #[error("If-Match is compared strongly (RFC 9110): a weak entity tag (W/\"…\") never matches")]
     WeakIfMatch,
+    /// `If-Match: *` (a stored document) with version 0 (none stored).
+    #[error("If-Match: * asks for a stored session, and version 0 names none: nothing was written")]
+    AnyButAbsent,
     /// A write body that is not declared JSON.
     #[error("writes must be JSON (application/json or application/merge-patch+json), not {0:?}")]
     UnsupportedMediaType(String),
@@ -162,6 +165,7 @@ impl From<EdgeError> for Refusal {
             EdgeError::Invalid { code, .. } => (StatusCode::BAD_REQUEST, *code, None),
             EdgeError::PreconditionRequired(_) => (StatusCode::PRECONDITION_REQUIRED, "precondition_required", None),
             EdgeError::WeakIfMatch => (StatusCode::PRECONDITION_FAILED, "version_mismatch", None),
+            EdgeError::AnyButAbsent => (StatusCode::PRECONDITION_FAILED, "version_mismatch", None),
             EdgeError::UnsupportedMediaType(_) => (StatusCode::UNSUPPORTED_MEDIA_TYPE, "unsupported_media_type", None),
             EdgeError::BodyTooLarge { limit } => (
                 StatusCode::PAYLOAD_TOO_LARGE,

@@ -1036,6 +1036,15 @@ async fn edge_refusals_are_counted_by_code_and_ambiguous_preconditions_refused()
     )
     .await;
     assert_eq!(r.status, StatusCode::PRECONDITION_REQUIRED, "{}", r.json);
+    // Nor with version 0, which names no stored document.
+    let r = put_doc(
+        &c,
+        "absent",
+        &json!({"turn": 1, "version": 0, "state": {}}),
+        &[("if-match", "*".into())],
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::PRECONDITION_FAILED, "{}", r.json);
     assert_eq!(
         get_doc(&client(store.addr), "absent").await.status,
         StatusCode::NOT_FOUND

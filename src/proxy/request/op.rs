@@ -86,6 +86,10 @@ pub(super) fn build_op(
                     )
                     .into())
                 }
+                // Version 0 is no stored document: `*` asks for one.
+                Some(IfMatch::Any) if body_version == Some(0) => {
+                    return Err(EdgeError::AnyButAbsent.into())
+                }
                 Some(IfMatch::Any) | None => None,
             };
             if let Some(id) = duplicate_id(&doc) {
