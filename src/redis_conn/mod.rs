@@ -35,6 +35,7 @@ use crate::redis_url::{ClusterSpec, SentinelSpec, Target};
 mod cluster;
 mod progress;
 mod resend;
+mod restart;
 mod scan;
 mod sentinel;
 mod single;
@@ -109,6 +110,8 @@ struct Inner {
     progress: Progress,
     /// Where failed commands are counted (by kind), once set.
     metrics: std::sync::OnceLock<crate::metrics::Metrics>,
+    /// The server last connected to, and when it restarted (see `restart`).
+    server: restart::ServerSeen,
 }
 
 enum Source {
@@ -279,6 +282,7 @@ impl RedisConn {
                 display: crate::redis_url::redact(url),
                 progress: Progress::new(),
                 metrics: std::sync::OnceLock::new(),
+                server: restart::ServerSeen::default(),
             }),
         })
     }
@@ -310,6 +314,7 @@ impl RedisConn {
             return Ok(conn);
         }
         let conn = self.connect().await.map_err(Failure::into_error)?;
+        self.learn_server(&conn).await;
         if let Ok(mut current) = self.inner.current.write() {
             *current = Some(conn.clone());
         }
@@ -334,6 +339,7 @@ impl RedisConn {
                 .query_async::<()>(&mut c)
                 .await
                 .map_err(Failure::of)?;
+            self.learn_server(&conn).await;
             if let Ok(mut current) = self.inner.current.write() {
                 *current = Some(conn);
             }
