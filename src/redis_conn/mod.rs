@@ -8,7 +8,8 @@
 //!
 //! The module by concern: `single` (one server or the primary Sentinel names, plaintext or
 //! TLS, pub/sub), `sentinel`, `cluster` (the cluster client, `WAIT` on a session's primary,
-//! sharded pub/sub, the per-node health check), `progress` (the stall detector), `resend`.
+//! sharded pub/sub, the per-node health check), `progress` (the stall detector), `resend`,
+//! `restart` (a restarted server noticed on each new connection).
 //!
 //! Why not redis-rs's `ConnectionManager`: it reconnects to one fixed address with one fixed
 //! `ConnectionInfo`. This connection asks Sentinel which server is the primary at each
