@@ -154,6 +154,7 @@ struct Inner {
     redis_node_check_failures: Family<NodeLabel, Counter>,
     process: Process,
     write_seconds: Histogram,
+    redis_restarts: Counter,
 }
 
 /// A counter per HTTP status, each taken from its family at its first use.
@@ -230,6 +231,12 @@ impl Metrics {
             "writes_requeued",
             "Writes queued again after meeting another turn's commit, to be re-read and re-merged",
             requeued.clone(),
+        );
+        let redis_restarts = Counter::default();
+        registry.register(
+            "redis_restarts_seen",
+            "Times a new connection found another Redis server (a restart, or a failover): commits then wait out the write-backs that may have been in flight before",
+            redis_restarts.clone(),
         );
         let replays = Counter::default();
         registry.register(
@@ -335,6 +342,7 @@ impl Metrics {
                 lock_renewals,
                 stale,
                 requeued,
+                redis_restarts,
                 replays,
                 batch_size,
                 upstream,
@@ -456,6 +464,11 @@ impl Metrics {
     pub fn forget_redis_node(&self, node: &str) {
         let label = NodeLabel { node: node.to_owned() };
         self.inner.redis_node_up.remove(&label);
+    }
+
+    /// A new connection found another Redis server than before (see `redis_conn::restart`).
+    pub fn redis_restart_seen(&self) {
+        self.inner.redis_restarts.inc();
     }
 
     pub fn redis_error(&self, op: &'static str, kind: &'static str) {

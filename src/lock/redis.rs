@@ -119,16 +119,21 @@ impl RedisLocks {
             Some(w) => &w.conn,
             None => &self.conn,
         };
-        let reply: Vec<i64> = conn
+        let (reply, restart_hold): (Vec<i64>, Option<Duration>) = conn
             .run(|mut c| {
                 let slot_keys = &slot_keys;
                 async move {
+                    // Looked at once the connection is made: a new connection is where a
+                    // restart is noticed. After a restart that may have lost the slot, the
+                    // grant takes none until every write-back that could have been in flight
+                    // has ended: it answers as if one were.
+                    let restart_hold = slot_keys.as_ref().and(self.restart_hold());
                     let mut invocation = script.key(key);
                     invocation.key(fence_key).key(&queue).key(&expiries);
-                    if let Some((slot, mark)) = slot_keys {
+                    if let (Some((slot, mark)), None) = (slot_keys, restart_hold) {
                         invocation.key(slot).key(mark);
                     }
-                    invocation
+                    let reply = invocation
                         .arg(token)
                         .arg(lease_ms)
                         .arg(counter_ttl_ms)
@@ -136,7 +141,8 @@ impl RedisLocks {
                         .arg(waiter_ttl_ms)
                         .arg(slot_ms)
                         .invoke_async(&mut c)
-                        .await
+                        .await?;
+                    Ok((reply, restart_hold))
                 }
             })
             .await
@@ -151,12 +157,13 @@ impl RedisLocks {
                 remaining: Duration::from_millis(second.max(1) as u64),
             });
         }
-        let slot = match (slot, reply.get(2), reply.get(3)) {
+        let slot = match (slot, restart_hold, reply.get(2), reply.get(3)) {
             (None, ..) => None,
-            (Some(_), Some(1), Some(&mark)) => Some(Slot::Taken {
+            (Some(_), Some(remaining), ..) => Some(Slot::InFlight { remaining }),
+            (Some(_), None, Some(1), Some(&mark)) => Some(Slot::Taken {
                 turn_mark: mark.max(0) as u64,
             }),
-            (Some(_), _, pttl) => Some(Slot::InFlight {
+            (Some(_), None, _, pttl) => Some(Slot::InFlight {
                 remaining: Duration::from_millis(pttl.copied().unwrap_or(1).max(1) as u64),
             }),
         };
@@ -330,6 +337,9 @@ impl RedisLocks {
     }
 
     pub(super) async fn take_slot(&self, lock_key: &str, token: &str, scope: &Scope) -> Result<Slot, LockError> {
+        if let Some(remaining) = self.restart_hold() {
+            return Ok(Slot::InFlight { remaining });
+        }
         let slot_ms = self.settings.slot_ttl.as_millis() as u64;
         let key_ms = self.settings.key_ttl.as_millis() as u64;
         let (slot, mark) = (scope.slot(), scope.turn_mark());
@@ -339,6 +349,10 @@ impl RedisLocks {
             .run(|mut c| {
                 let (slot, mark) = (&slot, &mark);
                 async move {
+                    // Once more on this connection: it may be the one that noticed a restart.
+                    if let Some(remaining) = self.restart_hold() {
+                        return Ok((-1, remaining.as_millis().max(1) as i64));
+                    }
                     script
                         .key(lock_key)
                         .key(slot)
@@ -361,6 +375,15 @@ impl RedisLocks {
                 remaining: Duration::from_millis(pttl.max(1) as u64),
             },
         })
+    }
+
+    /// How long a commit slot is still not taken after Redis was seen to restart: a write-back
+    /// taken under a slot the restart lost may be in flight for up to the slot's life since
+    /// the restarted server started. Nothing is sent to Redis.
+    fn restart_hold(&self) -> Option<Duration> {
+        let window = self.settings.slot_ttl;
+        let grants = self.replica_wait.as_ref().and_then(|w| w.conn.restart_hold(window));
+        self.conn.restart_hold(window).max(grants)
     }
 
     pub(super) async fn ping(&self) -> Result<(), LockError> {

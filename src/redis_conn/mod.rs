@@ -8,7 +8,8 @@
 //!
 //! The module by concern: `single` (one server or the primary Sentinel names, plaintext or
 //! TLS, pub/sub), `sentinel`, `cluster` (the cluster client, `WAIT` on a session's primary,
-//! sharded pub/sub, the per-node health check), `progress` (the stall detector), `resend`.
+//! sharded pub/sub, the per-node health check), `progress` (the stall detector), `resend`,
+//! `restart` (a restarted server noticed on each new connection).
 //!
 //! Why not redis-rs's `ConnectionManager`: it reconnects to one fixed address with one fixed
 //! `ConnectionInfo`. This connection asks Sentinel which server is the primary at each
@@ -35,6 +36,7 @@ use crate::redis_url::{ClusterSpec, SentinelSpec, Target};
 mod cluster;
 mod progress;
 mod resend;
+mod restart;
 mod scan;
 mod sentinel;
 mod single;
@@ -109,6 +111,8 @@ struct Inner {
     progress: Progress,
     /// Where failed commands are counted (by kind), once set.
     metrics: std::sync::OnceLock<crate::metrics::Metrics>,
+    /// The server last connected to, and when it restarted (see `restart`).
+    server: restart::ServerSeen,
 }
 
 enum Source {
@@ -279,6 +283,7 @@ impl RedisConn {
                 display: crate::redis_url::redact(url),
                 progress: Progress::new(),
                 metrics: std::sync::OnceLock::new(),
+                server: restart::ServerSeen::default(),
             }),
         })
     }
@@ -310,6 +315,7 @@ impl RedisConn {
             return Ok(conn);
         }
         let conn = self.connect().await.map_err(Failure::into_error)?;
+        self.learn_server(&conn).await;
         if let Ok(mut current) = self.inner.current.write() {
             *current = Some(conn.clone());
         }
@@ -334,6 +340,7 @@ impl RedisConn {
                 .query_async::<()>(&mut c)
                 .await
                 .map_err(Failure::of)?;
+            self.learn_server(&conn).await;
             if let Ok(mut current) = self.inner.current.write() {
                 *current = Some(conn);
             }

@@ -28,6 +28,7 @@ mod operability;
 mod passthrough;
 mod proxy_service;
 mod real_stores;
+mod redis_restart;
 mod redis_tls;
 mod release_records;
 mod route_matching;

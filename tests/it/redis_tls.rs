@@ -46,6 +46,7 @@ pub const NARROW_ACL: &[&str] = &[
     "+script|load",
     "+wait",
     "+scan",
+    "+info",
 ];
 
 fn tls_args(upstream: std::net::SocketAddr, redis: &TlsRedis, ca: &TestCa) -> ProxyArgs {
