@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use super::load::{Http, Phase};
 use super::procs::{self, Child};
-use super::redis_tls::{appends, proxy, Scratch};
+use super::redis_tls::{appends, proxy, side_by_side, Scratch};
 use super::{BenchError, Plan, Stats};
 
 /// Hard cap on one worker's operations in a phase, whatever its duration.
@@ -162,28 +162,9 @@ async fn wait_cluster_ok(ports: &[u16]) -> Result<(), BenchError> {
 
 /// The phase's rows for the printed table (empty when it did not run).
 pub fn table(rows: &[ClusterRow]) -> String {
-    use std::fmt::Write as _;
-    let mut s = String::new();
-    if rows.is_empty() {
-        return s;
-    }
-    let _ = writeln!(
-        s,
-        "\nUncontended writes over many sessions: one Redis vs a Redis Cluster of 3 primaries (same store, same run)"
-    );
-    let _ = writeln!(
-        s,
-        "{:>5} {:<10} {:>9} {:>8} {:>8} {:>8}",
-        "conc", "redis", "writes/s", "p50 ms", "p99 ms", "p999 ms"
-    );
-    for row in rows {
-        for (name, st) in [("one", &row.single), ("cluster", &row.cluster)] {
-            let _ = writeln!(
-                s,
-                "{:>5} {:<10} {:>9.0} {:>8.3} {:>8.3} {:>8.3}",
-                row.concurrency, name, st.per_sec, st.p50_ms, st.p99_ms, st.p999_ms
-            );
-        }
-    }
-    s
+    side_by_side(
+        "Uncontended writes over many sessions: one Redis vs a Redis Cluster of 3 primaries (same store, same run)",
+        rows.iter()
+            .map(|r| (r.concurrency, [("one", &r.single), ("cluster", &r.cluster)])),
+    )
 }

@@ -154,26 +154,32 @@ pub(super) async fn appends(phase: Phase, http: &Http, proxy: &Child, tag: &str)
 
 /// The phase's rows for the printed table (empty when it did not run).
 pub fn table(rows: &[TlsRow]) -> String {
+    side_by_side(
+        "Uncontended writes with Redis over TLS vs plaintext (same redis-server, same store)",
+        rows.iter()
+            .map(|r| (r.concurrency, [("plaintext", &r.plaintext), ("TLS", &r.tls)])),
+    )
+}
+
+/// Two Redis setups measured side by side, one line per setup and concurrency (empty when
+/// there are no rows).
+pub fn side_by_side<'a>(title: &str, rows: impl Iterator<Item = (usize, [(&'a str, &'a Stats); 2])>) -> String {
     use std::fmt::Write as _;
     let mut s = String::new();
-    if rows.is_empty() {
-        return s;
-    }
-    let _ = writeln!(
-        s,
-        "\nUncontended writes with Redis over TLS vs plaintext (same redis-server, same store)"
-    );
-    let _ = writeln!(
-        s,
-        "{:>5} {:<10} {:>9} {:>8} {:>8} {:>8}",
-        "conc", "redis", "writes/s", "p50 ms", "p99 ms", "p999 ms"
-    );
-    for row in rows {
-        for (name, st) in [("plaintext", &row.plaintext), ("TLS", &row.tls)] {
+    for (concurrency, pair) in rows {
+        if s.is_empty() {
+            let _ = writeln!(s, "\n{title}");
+            let _ = writeln!(
+                s,
+                "{:>5} {:<10} {:>9} {:>8} {:>8} {:>8}",
+                "conc", "redis", "writes/s", "p50 ms", "p99 ms", "p999 ms"
+            );
+        }
+        for (name, st) in pair {
             let _ = writeln!(
                 s,
                 "{:>5} {:<10} {:>9.0} {:>8.3} {:>8.3} {:>8.3}",
-                row.concurrency, name, st.per_sec, st.p50_ms, st.p99_ms, st.p999_ms
+                concurrency, name, st.per_sec, st.p50_ms, st.p99_ms, st.p999_ms
             );
         }
     }
