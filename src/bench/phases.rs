@@ -82,7 +82,8 @@ impl Rig {
     }
 
     /// The first proxy's memory idle, and with `connections` open keep-alive connections
-    /// that each made one request.
+    /// that each made one request, a second after the last one (the connections idle, the
+    /// memory their requests used handed back).
     pub async fn resources(&self, connections: usize) -> Result<Resources, BenchError> {
         let proxy = &self.proxies[0];
         let mib = |b: Option<u64>| b.map(|b| b as f64 / (1024.0 * 1024.0)).unwrap_or(f64::NAN);
@@ -94,7 +95,7 @@ impl Rig {
                 open.push(c?);
             }
         }
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        tokio::time::sleep(Duration::from_secs(1)).await;
         let busy = mib(proxy.rss_bytes());
         let n = open.len();
         drop(open);

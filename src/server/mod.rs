@@ -6,6 +6,7 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use http::{Request, Response};
@@ -15,11 +16,18 @@ use hyper_util::service::TowerToHyperService;
 use std::convert::Infallible;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
-use tower::{Service, ServiceBuilder};
+use tower::Service;
 
 use crate::http::Body;
 
+mod idle;
 mod intercept;
+
+use self::idle::{Activity, IdleIo, Tracked, Trimmer};
+
+/// A request's body as the server hands it to its service: hyper's, tracked so that the
+/// connection counts as busy while it may still be read (see `idle`).
+pub type RequestBody = Tracked<Incoming>;
 
 pub use self::intercept::{is_own, original_dst, speaks_http, splice, SNIFF_WAIT};
 
@@ -44,7 +52,7 @@ pub struct Conn {
 /// connections still open after it are closed.
 pub async fn serve<H, F>(listener: TcpListener, handler: H, shutdown: CancellationToken, grace: Duration)
 where
-    H: Fn(Request<Incoming>, SocketAddr) -> F + Clone + Send + Sync + 'static,
+    H: Fn(Request<RequestBody>, SocketAddr) -> F + Clone + Send + Sync + Unpin + 'static,
     F: Future<Output = Response<Body>> + Send + 'static,
 {
     let make = move |conn: Conn| {
@@ -73,9 +81,9 @@ pub async fn serve_with<M, S, B>(
     grace: Duration,
 ) where
     M: Fn(Conn) -> S + Send + 'static,
-    S: Service<Request<Incoming>, Response = Response<B>, Error = Infallible> + Clone + Send + 'static,
+    S: Service<Request<RequestBody>, Response = Response<B>, Error = Infallible> + Clone + Send + Unpin + 'static,
     S::Future: Send + 'static,
-    B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    B: http_body::Body<Data = bytes::Bytes> + Send + Unpin + 'static,
     B::Error: Into<crate::http::BoxError>,
 {
     let mut builder = hyper::server::conn::http1::Builder::new();
@@ -87,6 +95,8 @@ pub async fn serve_with<M, S, B>(
         .max_buf_size(MAX_HEAD_BYTES)
         .keep_alive(true);
     let connections = tokio_util::task::TaskTracker::new();
+    let trimmer = Trimmer::default();
+    let trimming = tokio::spawn(trimmer.clone().run(shutdown.clone()));
     let own = listener.local_addr().ok();
     // Asks the connections still open after the linger to close once idle.
     let graceful = CancellationToken::new();
@@ -106,46 +116,81 @@ pub async fn serve_with<M, S, B>(
             },
         };
         let draining = shutdown.clone();
-        let stack = ServiceBuilder::new()
-            .layer(ConnectionLayer { conn, draining })
-            .service(make(conn));
-        let service = TowerToHyperService::new(stack);
+        let activity = Arc::new(Activity::default());
+        let stack = make(conn);
         let builder = builder.clone();
+        let trimmer = trimmer.clone();
         let (graceful, hard) = (graceful.clone(), hard_stop.clone());
         let intercepted = conn
             .original_dst
             .filter(|dst| !own.is_some_and(|own| self::intercept::is_own(*dst, own)));
-        connections.spawn(async move {
+        let task = async move {
             // Transparent mode: what is not HTTP goes to its destination as raw TCP.
+            // (Boxed: their state is not carried by every connection's task.)
             if let Some(dst) = intercepted {
-                if !self::intercept::speaks_http(&stream).await {
+                if !Box::pin(self::intercept::speaks_http(&stream)).await {
                     tokio::select! {
-                        _ = self::intercept::splice(stream, peer, dst) => {}
+                        _ = Box::pin(self::intercept::splice(stream, peer, dst)) => {}
                         _ = hard.cancelled() => {}
                     }
                     return;
                 }
             }
-            // With upgrades: a WebSocket request passed through becomes a tunnel.
-            let conn = builder.serve_connection(TokioIo::new(stream), service).with_upgrades();
-            tokio::pin!(conn);
-            let ended = tokio::select! {
-                ended = conn.as_mut() => ended,
-                _ = hard.cancelled() => return,
-                _ = graceful.cancelled() => {
-                    conn.as_mut().graceful_shutdown();
-                    tokio::select! {
-                        ended = conn.as_mut() => ended,
-                        _ = hard.cancelled() => return,
+            let mut io = IdleIo::new(stream, activity.clone(), trimmer);
+            // No buffers either while a new client has not sent its first request.
+            if !next_bytes(&io, true, &graceful).await {
+                return;
+            }
+            loop {
+                // With upgrades: a WebSocket request passed through becomes a tunnel.
+                let service = Connection {
+                    inner: TowerToHyperService::new(stack.clone()),
+                    conn,
+                    draining: draining.clone(),
+                    activity: activity.clone(),
+                };
+                // Boxed: an idle connection's task keeps only the socket, not hyper's state.
+                let mut conn = Box::new(builder.serve_connection(TokioIo::new(io), service).with_upgrades());
+                let ended = tokio::select! {
+                    ended = &mut *conn => ended,
+                    _ = hard.cancelled() => return,
+                    _ = graceful.cancelled() => {
+                        std::pin::Pin::new(&mut *conn).graceful_shutdown();
+                        tokio::select! {
+                            ended = &mut *conn => ended,
+                            _ = hard.cancelled() => return,
+                        }
+                    }
+                };
+                // Ended idle (not closed, nor upgraded): wait for the client's next request
+                // on the bare socket, holding none of hyper's buffers meanwhile. hyper takes
+                // the idle end as an incomplete message when it holds the first bytes of a
+                // pipelined request: they go to the next connection.
+                let idled = activity.idled();
+                match ended {
+                    Ok(()) if idled => {}
+                    Err(error) if idled && error.is_incomplete_message() => {}
+                    Ok(()) => return,
+                    Err(error) => {
+                        tracing::debug!(%error, %peer, "connection ended with an error");
+                        return;
                     }
                 }
-            };
-            if let Err(error) = ended {
-                tracing::debug!(%error, %peer, "connection ended with an error");
+                let Some(parts) = conn.into_parts() else { return };
+                let back = parts.io.into_inner();
+                if graceful.is_cancelled() {
+                    return;
+                }
+                io = back.resume(parts.read_buf);
+                if !next_bytes(&io, false, &graceful).await {
+                    return;
+                }
             }
-        });
+        };
+        connections.spawn(task);
     }
     drop(listener);
+    trimming.abort();
     connections.close();
     let began = tokio::time::Instant::now();
     // Keep-alive clients that send during the linger are answered with `Connection: close`
@@ -159,60 +204,65 @@ pub async fn serve_with<M, S, B>(
     hard_stop.cancel();
 }
 
-/// Puts the connection's [`Conn`] into each request's extensions, and `Connection: close` on
-/// each answer once shutdown began.
-#[derive(Clone)]
-struct ConnectionLayer {
-    conn: Conn,
-    draining: CancellationToken,
-}
-
-#[derive(Clone)]
-struct Connection<S> {
-    inner: S,
-    conn: Conn,
-    draining: CancellationToken,
-}
-
-// === impl ConnectionLayer ===
-
-impl<S> tower::Layer<S> for ConnectionLayer {
-    type Service = Connection<S>;
-
-    fn layer(&self, inner: S) -> Connection<S> {
-        Connection {
-            inner,
-            conn: self.conn,
-            draining: self.draining.clone(),
+/// Waits, holding none of hyper's buffers, for the client's first or next bytes: false when
+/// the connection is to be closed instead (it stayed quiet for [`HEADER_READ_TIMEOUT`], as an
+/// idle keep-alive connection is, or the server closes its idle connections; a client that
+/// closed reads as bytes, the end of its stream). `hard_stop` follows `graceful`, so this
+/// needs only the latter.
+async fn next_bytes(io: &IdleIo, first: bool, graceful: &CancellationToken) -> bool {
+    let bytes = async {
+        if first {
+            io.first_bytes().await
+        } else {
+            io.readable().await
         }
+    };
+    tokio::select! {
+        ready = tokio::time::timeout(HEADER_READ_TIMEOUT, bytes) => matches!(ready, Ok(Ok(()))),
+        _ = graceful.cancelled() => false,
     }
+}
+
+/// The service hyper calls on one connection: puts the connection's [`Conn`] into each
+/// request's extensions, `Connection: close` on each answer once shutdown began (the drain),
+/// and counts the request as busy from the moment hyper has read its head (for `idle`).
+struct Connection<S> {
+    inner: TowerToHyperService<S>,
+    conn: Conn,
+    draining: CancellationToken,
+    activity: Arc<Activity>,
 }
 
 // === impl Connection ===
 
-impl<S, B, R> Service<Request<B>> for Connection<S>
+impl<S, R> hyper::service::Service<Request<Incoming>> for Connection<S>
 where
-    S: Service<Request<B>, Response = Response<R>, Error = Infallible>,
+    S: Service<Request<RequestBody>, Response = Response<R>, Error = Infallible> + Clone + Send + 'static,
     S::Future: Send + 'static,
+    R: Send + 'static,
 {
-    type Response = Response<R>;
+    type Response = Response<Tracked<R>>;
     type Error = Infallible;
-    type Future = futures_util::future::BoxFuture<'static, Result<Response<R>, Infallible>>;
+    type Future = futures_util::future::BoxFuture<'static, Result<Response<Tracked<R>>, Infallible>>;
 
-    fn poll_ready(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), Infallible>> {
-        self.inner.poll_ready(cx)
-    }
-
-    fn call(&mut self, mut req: Request<B>) -> Self::Future {
+    fn call(&self, mut req: Request<Incoming>) -> Self::Future {
         req.extensions_mut().insert(self.conn);
-        let answer = self.inner.call(req);
+        // Busy from here (hyper has the head) until the answer's body is dropped, and while
+        // the request's body may still be read.
+        let request = self.activity.begin();
+        let reading = (!http_body::Body::is_end_stream(req.body())).then(|| self.activity.hold());
+        let answer = hyper::service::Service::call(&self.inner, req.map(|body| Tracked::new(body, reading)));
         let draining = self.draining.clone();
+        let activity = self.activity.clone();
         Box::pin(async move {
             let mut res = answer.await?;
             if draining.is_cancelled() {
                 close_after(&mut res);
             }
-            Ok(res)
+            if res.status() == http::StatusCode::SWITCHING_PROTOCOLS {
+                activity.tunnel();
+            }
+            Ok(res.map(|body| Tracked::new(body, Some(request))))
         })
     }
 }

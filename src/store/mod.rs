@@ -13,13 +13,13 @@ pub use self::backend::Backend;
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use crate::server::RequestBody;
 use bytes::Bytes;
 use clap::builder::BoolishValueParser;
 use clap::Args;
 use http::header::{self, HeaderValue};
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
-use hyper::body::Incoming;
 use serde_json::json;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -136,7 +136,7 @@ pub async fn start(args: StoreArgs) -> Result<RunningStore, StartError> {
 }
 
 impl Store {
-    async fn handle(&self, req: Request<Incoming>) -> Response<Body> {
+    async fn handle(&self, req: Request<RequestBody>) -> Response<Body> {
         let path = req.uri().path().to_owned();
         if path == "/healthz" || path == "/" {
             return crate::http::json(StatusCode::OK, &json!({"status": "ok"}));
@@ -197,7 +197,7 @@ impl Store {
         })
     }
 
-    async fn put(&self, id: &str, req: Request<Incoming>) -> Result<Response<Body>, backend::BackendError> {
+    async fn put(&self, id: &str, req: Request<RequestBody>) -> Result<Response<Body>, backend::BackendError> {
         let expect = if !self.etags {
             Expect::Any
         } else {
@@ -279,7 +279,7 @@ impl Store {
         })
     }
 
-    async fn delete(&self, id: &str, req: &Request<Incoming>) -> Result<Response<Body>, backend::BackendError> {
+    async fn delete(&self, id: &str, req: &Request<RequestBody>) -> Result<Response<Body>, backend::BackendError> {
         let expect = if self.etags {
             match expectation(req.headers()) {
                 Ok(e) => e,

@@ -23,6 +23,7 @@ mod faults;
 mod faults_failover;
 mod fuzz_props;
 mod hostile_input;
+mod idle_connections;
 mod inject_webhook;
 mod operability;
 mod passthrough;

@@ -151,7 +151,7 @@ async fn a_panicking_handler_answers_500_and_the_connection_serves_the_next_requ
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
     let shutdown = tokio_util::sync::CancellationToken::new();
-    let handler = tower::service_fn(|req: Request<hyper::body::Incoming>| async move {
+    let handler = tower::service_fn(|req: Request<turnlock::server::RequestBody>| async move {
         if req.uri().path() == "/panic" {
             panic!("handler bug");
         }

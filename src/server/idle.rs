@@ -1,0 +1,320 @@
+//! Idle keep-alive connections that hold no buffers.
+//!
+//! hyper gives every HTTP/1 connection a read and a write buffer of 8 KiB each, and keeps
+//! them while the connection waits for its next request. With a thousand keep-alive clients
+//! that is most of the process's memory. Like nginx, which frees an idle keep-alive
+//! connection's buffers, the server here lets hyper's connection end once it has been idle
+//! for [`SHED_AFTER`] (its last answer written out, nothing more read), waits on the bare
+//! socket for the client's next bytes, and only then starts a new hyper connection on it. A
+//! new client gets no hyper connection before its first bytes either.
+//!
+//! The socket, [`IdleIo`], ends hyper's connection by reading as an end of stream at that
+//! point, and only there. It never does while a request is being served (counted by
+//! [`Activity`] from the moment hyper has its head until both its body and its answer's body
+//! are done), while an answer is not fully written out, before the hyper connection served a
+//! request, or once the connection became a tunnel (an upgrade). The first bytes of a
+//! pipelined request that hyper had read go to the next connection.
+
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::{Buf, Bytes};
+use http_body::{Body, Frame, SizeHint};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
+use tokio::time::{Instant, Sleep};
+
+/// How long a keep-alive connection stays idle before it gives its buffers back: long
+/// enough that a busy connection never does it, short beside an agent's pause between calls.
+pub const SHED_AFTER: std::time::Duration = std::time::Duration::from_millis(5);
+
+/// What the connection's service is doing, shared with its socket.
+#[derive(Debug, Default)]
+pub struct Activity {
+    /// Requests called and whose answer's body is not yet dropped.
+    in_flight: AtomicUsize,
+    /// Requests called on this connection.
+    begun: AtomicUsize,
+    /// The connection was upgraded: its reads belong to the tunnel.
+    tunnel: AtomicBool,
+    /// The socket read as an end of stream that the client did not send.
+    idled: AtomicBool,
+    /// Every answer is written out: hyper flushed its socket (which it does only with its own
+    /// write buffer empty) since the last request ended.
+    flushed: AtomicBool,
+}
+
+impl Activity {
+    /// A request begins; it is served until the returned guard drops (carried by its
+    /// answer's body).
+    pub fn begin(self: &Arc<Self>) -> InFlight {
+        self.begun.fetch_add(1, Ordering::Relaxed);
+        self.hold()
+    }
+
+    /// The connection is busy until the returned guard drops (carried by a request's body
+    /// while hyper may still read it).
+    pub fn hold(self: &Arc<Self>) -> InFlight {
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        InFlight(self.clone())
+    }
+
+    /// Whether hyper's connection ended because the connection went idle (not because the
+    /// client closed it, or hyper chose to close).
+    pub fn idled(&self) -> bool {
+        self.idled.load(Ordering::Relaxed)
+    }
+
+    /// The connection becomes a tunnel for good.
+    pub fn tunnel(&self) {
+        self.tunnel.store(true, Ordering::Relaxed);
+    }
+
+    /// No request in flight, every answer written out, at least one request served since
+    /// `begun_before`, and not a tunnel.
+    fn idle_after(&self, begun_before: usize) -> bool {
+        self.in_flight.load(Ordering::Relaxed) == 0
+            && self.flushed.load(Ordering::Relaxed)
+            && self.begun.load(Ordering::Relaxed) != begun_before
+            && !self.tunnel.load(Ordering::Relaxed)
+    }
+}
+
+/// One request being served; see [`Activity::begin`].
+#[derive(Debug)]
+pub struct InFlight(Arc<Activity>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        if self.0.in_flight.fetch_sub(1, Ordering::Relaxed) == 1 {
+            // The answer's last bytes may still be in hyper's write buffer.
+            self.0.flushed.store(false, Ordering::Relaxed);
+        }
+    }
+}
+
+/// A body (a request's, or its answer's) that keeps the connection busy until its last frame
+/// was read or it is dropped.
+pub struct Tracked<B> {
+    body: B,
+    busy: Option<InFlight>,
+}
+
+impl<B> Tracked<B> {
+    pub fn new(body: B, busy: Option<InFlight>) -> Self {
+        Self { body, busy }
+    }
+}
+
+impl<B: Body + Unpin> Body for Tracked<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<B::Data>, B::Error>>> {
+        let frame = std::task::ready!(Pin::new(&mut self.body).poll_frame(cx));
+        if frame.is_none() {
+            self.busy = None;
+        }
+        Poll::Ready(frame)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
+/// The client's socket as hyper reads and writes it; see the module's documentation.
+pub struct IdleIo {
+    stream: TcpStream,
+    activity: Arc<Activity>,
+    /// Told when hyper's connection ended idle (see [`Trimmer`]).
+    trimmer: Trimmer,
+    /// Bytes hyper had read and not used when its connection ended.
+    unread: Bytes,
+    /// Requests begun before the current hyper connection started: one that has served none
+    /// is never ended (hyper takes an end of stream before the first request as an error).
+    begun_before: usize,
+    /// When the connection last became idle (its last answer written out).
+    idle_since: Instant,
+    /// Wakes hyper's connection [`SHED_AFTER`] after it became idle, so that it reads and
+    /// finds it still idle. Made once per socket, moved lazily (at most one timer change per
+    /// `SHED_AFTER` on a busy connection).
+    timer: Option<Pin<Box<Sleep>>>,
+}
+
+impl IdleIo {
+    pub fn new(stream: TcpStream, activity: Arc<Activity>, trimmer: Trimmer) -> Self {
+        Self {
+            stream,
+            activity,
+            trimmer,
+            unread: Bytes::new(),
+            begun_before: 0,
+            idle_since: Instant::now(),
+            timer: None,
+        }
+    }
+
+    /// Takes the socket back from an ended hyper connection, with what hyper had read but not
+    /// used (given first to the next connection).
+    pub fn resume(mut self, unread: Bytes) -> Self {
+        self.activity.idled.store(false, Ordering::Relaxed);
+        // A copy: `unread` is a view of hyper's whole read buffer (even when empty).
+        self.unread = if unread.is_empty() {
+            Bytes::new()
+        } else {
+            Bytes::copy_from_slice(&unread)
+        };
+        self.begun_before = self.activity.begun.load(Ordering::Relaxed);
+        // Made again when the connection is next busy.
+        self.timer = None;
+        self
+    }
+
+    /// Waits until the client sends again (or closes).
+    pub async fn readable(&self) -> io::Result<()> {
+        if !self.unread.is_empty() {
+            return Ok(());
+        }
+        // A read that found nothing cleared the socket's readiness, so this waits for bytes.
+        self.stream.readable().await
+    }
+
+    /// Waits until a new client sends its first bytes (or closes). An accepted socket is taken
+    /// as readable before anything arrived, so this looks at the bytes themselves.
+    pub async fn first_bytes(&self) -> io::Result<()> {
+        self.stream.peek(&mut [0u8; 1]).await.map(|_| ())
+    }
+}
+
+impl IdleIo {
+    /// Whether the connection has been idle for [`SHED_AFTER`]; if not, makes sure the task is
+    /// woken by then.
+    fn idle_long_enough(&mut self, cx: &mut Context<'_>) -> bool {
+        let due = self.idle_since + SHED_AFTER;
+        if Instant::now() >= due {
+            return true;
+        }
+        self.wake_at(due, cx);
+        false
+    }
+
+    fn wake_at(&mut self, due: Instant, cx: &mut Context<'_>) {
+        let timer = self
+            .timer
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(due)));
+        // An earlier pending deadline stays: the check is made again when it fires.
+        if timer.is_elapsed() || timer.deadline() > due {
+            timer.as_mut().reset(due);
+        }
+        if timer.as_mut().poll(cx).is_ready() {
+            cx.waker().wake_by_ref();
+        }
+    }
+}
+
+impl AsyncRead for IdleIo {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        let this = &mut *self;
+        if !this.unread.is_empty() {
+            let n = this.unread.len().min(buf.remaining());
+            buf.put_slice(&this.unread[..n]);
+            this.unread.advance(n);
+            return Poll::Ready(Ok(()));
+        }
+        match Pin::new(&mut this.stream).poll_read(cx, buf) {
+            Poll::Pending if this.activity.idle_after(this.begun_before) && this.idle_long_enough(cx) => {
+                // Nothing to read and nothing owed for a while: end hyper's connection, keep
+                // the socket.
+                this.activity.idled.store(true, Ordering::Relaxed);
+                this.trimmer.0.notify_one();
+                Poll::Ready(Ok(()))
+            }
+            other => other,
+        }
+    }
+}
+
+impl AsyncWrite for IdleIo {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.stream).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.stream).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let flushed = Pin::new(&mut self.stream).poll_flush(cx);
+        if matches!(flushed, Poll::Ready(Ok(())))
+            && self.activity.in_flight.load(Ordering::Relaxed) == 0
+            && !self.activity.flushed.swap(true, Ordering::Relaxed)
+        {
+            // The last answer is written out: the connection is idle from now.
+            self.idle_since = Instant::now();
+            let due = self.idle_since + SHED_AFTER;
+            self.wake_at(due, cx);
+        }
+        flushed
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        if self.activity.idled() {
+            // hyper closes what it thinks ended; the socket lives on.
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut self.stream).poll_shutdown(cx)
+    }
+}
+
+/// Gives the memory that connections gave back to the system, once they went idle.
+///
+/// The allocator (glibc's) keeps freed memory in its heaps: after a burst of requests on many
+/// connections the buffers they dropped stay resident. [`TRIM_AFTER`] after connections
+/// went idle (at most once per `TRIM_AFTER`), the free pages are handed back.
+#[derive(Clone, Default)]
+pub struct Trimmer(Arc<tokio::sync::Notify>);
+
+/// How long after connections went idle their freed memory is handed back.
+pub const TRIM_AFTER: std::time::Duration = std::time::Duration::from_millis(250);
+
+impl Trimmer {
+    /// Hands free memory back after connections go idle, until `stop`.
+    pub async fn run(self, stop: tokio_util::sync::CancellationToken) {
+        loop {
+            tokio::select! {
+                _ = self.0.notified() => {}
+                _ = stop.cancelled() => return,
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(TRIM_AFTER) => {}
+                _ = stop.cancelled() => return,
+            }
+            let _ = tokio::task::spawn_blocking(release_free_memory).await;
+        }
+    }
+}
+
+fn release_free_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: `malloc_trim` takes no pointer and is safe to call from any thread at any time.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
