@@ -40,6 +40,8 @@ const SESSIONS_PER_WRITER: u64 = 8;
 const READ_DOC_MESSAGES: usize = 20;
 /// Hard cap on one worker's operations in a phase, whatever its duration.
 const MAX_OPS_PER_WORKER: u64 = 1_000_000;
+/// Rounds of `wrk` through the proxy and through nginx, alternated (see `wrk::alternate`).
+const PASS_ROUNDS: usize = 3;
 /// Most attempts one hot-session write makes (busy answers are retried).
 const MAX_ATTEMPTS: u32 = 1_000;
 
@@ -152,11 +154,8 @@ impl Rig {
             };
             let (wrk_direct, wrk_proxy, wrk_nginx) = if wrk_installed {
                 let d = super::wrk::run(wrk, &direct_url, c, plan.measure).await;
-                let p = super::wrk::run(wrk, &proxy_url, c, plan.measure).await;
-                let n = match &nginx_url {
-                    Some(url) => Some(super::wrk::run(wrk, url, c, plan.measure).await),
-                    None => None,
-                };
+                let (p, n) =
+                    super::wrk::alternate(wrk, &proxy_url, nginx_url.as_deref(), c, plan.measure, PASS_ROUNDS).await;
                 for e in [
                     d.as_ref().err(),
                     p.as_ref().err(),

@@ -34,6 +34,52 @@ pub async fn run(program: &str, url: &str, connections: usize, duration: Duratio
     parse(&text, connections).ok_or_else(|| format!("unexpected {program} output: {text}"))
 }
 
+/// `wrk` on `a` and `b` (when given) in alternating rounds (`a b`, `b a`, `a b`, …), so that
+/// a change in the machine's load during the phase falls on both: throughput is the mean of
+/// the rounds, latency percentiles their median.
+pub async fn alternate(
+    program: &str,
+    a: &str,
+    b: Option<&str>,
+    connections: usize,
+    duration: Duration,
+    rounds: usize,
+) -> (Result<WrkRun, String>, Option<Result<WrkRun, String>>) {
+    let (mut runs_a, mut runs_b) = (Vec::new(), Vec::new());
+    for round in 0..rounds.max(1) {
+        let order = if round % 2 == 0 {
+            [a, b.unwrap_or("")]
+        } else {
+            [b.unwrap_or(""), a]
+        };
+        for url in order.into_iter().filter(|u| !u.is_empty()) {
+            let run = run(program, url, connections, duration).await;
+            if url == a {
+                runs_a.push(run);
+            } else {
+                runs_b.push(run);
+            }
+        }
+    }
+    (combine(runs_a), b.map(|_| combine(runs_b)))
+}
+
+fn combine(runs: Vec<Result<WrkRun, String>>) -> Result<WrkRun, String> {
+    let runs: Vec<WrkRun> = runs.into_iter().collect::<Result<_, _>>()?;
+    let first = runs.first().ok_or("no wrk run")?;
+    let median = |f: fn(&WrkRun) -> f64| {
+        let mut v: Vec<f64> = runs.iter().map(f).collect();
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    Ok(WrkRun {
+        connections: first.connections,
+        per_sec: runs.iter().map(|r| r.per_sec).sum::<f64>() / runs.len() as f64,
+        p50_ms: median(|r| r.p50_ms),
+        p99_ms: median(|r| r.p99_ms),
+    })
+}
+
 fn parse(text: &str, connections: usize) -> Option<WrkRun> {
     let mut per_sec = None;
     let mut p50 = None;
@@ -85,5 +131,24 @@ mod tests {
         assert!((run.p99_ms - 2.5).abs() < 1e-9);
         assert_eq!(millis("1.5s"), Some(1500.0));
         assert_eq!(millis("abc"), None);
+    }
+
+    #[test]
+    fn alternated_rounds_average_throughput_and_take_median_latency() {
+        let run = |per_sec, p50_ms, p99_ms| {
+            Ok(WrkRun {
+                connections: 4,
+                per_sec,
+                p50_ms,
+                p99_ms,
+            })
+        };
+        let combined =
+            combine(vec![run(100.0, 1.0, 9.0), run(400.0, 3.0, 5.0), run(100.0, 2.0, 7.0)]).expect("combined");
+        assert!((combined.per_sec - 200.0).abs() < 1e-9);
+        assert!((combined.p50_ms - 2.0).abs() < 1e-9);
+        assert!((combined.p99_ms - 7.0).abs() < 1e-9);
+        assert!(combine(vec![run(1.0, 1.0, 1.0), Err("wrk failed".into())]).is_err());
+        assert!(combine(Vec::new()).is_err());
     }
 }
