@@ -70,9 +70,10 @@ where
 /// original destination (transparent interception). Each request carries its connection's
 /// [`Conn`] as an extension.
 ///
-/// Layers around the service, in the order a request meets them: the connection's [`Conn`]
-/// put into the request's extensions; `Connection: close` put on the answer once shutdown
-/// began (the drain).
+/// Around the service, per connection (`Connection`): the connection's [`Conn`] put into
+/// the request's extensions; `Connection: close` put on the answer once shutdown began (the
+/// drain); the request counted busy until its body and its answer's body are done, so that
+/// a connection idle for 5 ms (`idle::SHED_AFTER`) holds none of hyper's buffers (see `idle`).
 pub async fn serve_with<M, S, B>(
     listener: TcpListener,
     make: M,
@@ -93,6 +94,10 @@ pub async fn serve_with<M, S, B>(
         .max_headers(MAX_HEADERS)
         .max_header_size(MAX_HEAD_BYTES)
         .max_buf_size(MAX_HEAD_BYTES)
+        // A client may close its sending side once its request is sent (RFC 9112 §9.6): it is
+        // still answered, and the request is not dropped half-way (a write is then finished,
+        // logged and counted as any other).
+        .half_close(true)
         .keep_alive(true);
     let connections = tokio_util::task::TaskTracker::new();
     let trimmer = Trimmer::default();

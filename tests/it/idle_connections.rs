@@ -1,7 +1,8 @@
 //! Keep-alive connections that go idle between requests (the server then holds none of
 //! hyper's buffers for them) are served exactly as before: pauses, requests split across
 //! packets, pipelined requests split across the idle point, bodies that arrive after their
-//! head, and tunnels that stay quiet.
+//! head, and tunnels that stay quiet. A client that half-closes or resets once its request is
+//! sent still has it served in full.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -161,5 +162,64 @@ async fn many_idle_connections_each_answer_again_after_a_pause() {
     }
     for (conn, buf) in &mut conns {
         assert_eq!(response(conn, buf).await.0, 404);
+    }
+}
+
+#[tokio::test]
+async fn a_client_that_half_closes_after_its_requests_gets_every_answer() {
+    let store = store().await;
+    let proxy = proxy(proxy_args(store.addr, None)).await;
+    // A write, then the client closes its sending side (RFC 9112 §9.6) and reads.
+    let (mut conn, mut buf) = served(proxy.addr).await;
+    let (head, body) = append("half", 1, "m1");
+    send(&mut conn, &(head + &body)).await;
+    conn.shutdown().await.expect("half-close");
+    let status = response(&mut conn, &mut buf).await.0;
+    assert!((200..300).contains(&status), "the write is answered: {status}");
+
+    // Three pipelined reads, then the half-close: all three answered, by the proxy and by the
+    // reference store.
+    for addr in [proxy.addr, store.addr] {
+        let (mut conn, mut buf) = served(addr).await;
+        send(&mut conn, &get("half").repeat(3)).await;
+        conn.shutdown().await.expect("half-close");
+        for n in 0..3 {
+            let (status, doc) = response(&mut conn, &mut buf).await;
+            assert_eq!(status, 200, "{addr}: read {n}");
+            let doc: serde_json::Value = serde_json::from_str(&doc).expect("json");
+            assert_eq!(message_ids(&doc), ["m1"], "{addr}: applied once");
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_keyed_write_whose_client_resets_right_after_sending_is_finished_and_its_retry_replayed() {
+    let redis = RedisServer::start();
+    let store = store().await;
+    let proxy = proxy(proxy_args(store.addr, Some(&redis))).await;
+    for n in 0..5 {
+        let session = format!("reset-{n}");
+        let (head, body) = append(&session, 1, "m1");
+        let head = head.replace("\r\n\r\n", &format!("\r\nidempotency-key: k-{n}\r\n\r\n"));
+        let mut conn = TcpStream::connect(proxy.addr).await.expect("connect");
+        send(&mut conn, &(head.clone() + &body)).await;
+        // Gone at once, with a reset: the proxy still finishes (and records) the write.
+        socket2::SockRef::from(&conn)
+            .set_linger(Some(Duration::ZERO))
+            .expect("linger");
+        drop(conn);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+
+        let (mut conn, mut buf) = served(proxy.addr).await;
+        send(&mut conn, &(head + &body)).await;
+        let status = response(&mut conn, &mut buf).await.0;
+        assert!(
+            (200..300).contains(&status),
+            "write {n}: the retry is answered, not refused: {status}"
+        );
+        send(&mut conn, &get(&session)).await;
+        let (_, doc) = response(&mut conn, &mut buf).await;
+        let doc: serde_json::Value = serde_json::from_str(&doc).expect("json");
+        assert_eq!(message_ids(&doc), ["m1"], "write {n}: applied once");
     }
 }
