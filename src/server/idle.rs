@@ -35,7 +35,8 @@ pub const SHED_AFTER: std::time::Duration = std::time::Duration::from_millis(5);
 /// What the connection's service is doing, shared with its socket.
 #[derive(Debug, Default)]
 pub struct Activity {
-    /// Requests called and whose answer's body is not yet dropped.
+    /// Busy guards alive: requests being served (until their answer's body is done) and
+    /// request bodies hyper may still read.
     in_flight: AtomicUsize,
     /// Requests called on this connection.
     begun: AtomicUsize,
@@ -145,8 +146,8 @@ pub struct IdleIo {
     /// When the connection last became idle (its last answer written out).
     idle_since: Instant,
     /// Wakes hyper's connection [`SHED_AFTER`] after it became idle, so that it reads and
-    /// finds it still idle. Made once per socket, moved lazily (at most one timer change per
-    /// `SHED_AFTER` on a busy connection).
+    /// finds it still idle. Made while hyper serves the socket, dropped with hyper's state;
+    /// moved lazily (at most one timer change per `SHED_AFTER` on a busy connection).
     timer: Option<Pin<Box<Sleep>>>,
 }
 
@@ -193,9 +194,7 @@ impl IdleIo {
     pub async fn first_bytes(&self) -> io::Result<()> {
         self.stream.peek(&mut [0u8; 1]).await.map(|_| ())
     }
-}
 
-impl IdleIo {
     /// Whether the connection has been idle for [`SHED_AFTER`]; if not, makes sure the task is
     /// woken by then.
     fn idle_long_enough(&mut self, cx: &mut Context<'_>) -> bool {
@@ -283,7 +282,7 @@ impl AsyncWrite for IdleIo {
     }
 }
 
-/// Gives the memory that connections gave back to the system, once they went idle.
+/// Hands the memory that idle connections freed back to the system.
 ///
 /// The allocator (glibc's) keeps freed memory in its heaps: after a burst of requests on many
 /// connections the buffers they dropped stay resident. [`TRIM_AFTER`] after connections
