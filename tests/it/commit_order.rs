@@ -547,8 +547,9 @@ async fn fencing_tokens_keep_growing_across_a_redis_restart() {
         let r = append(&agent, "fr", 2, "after").await;
         // Redis unreachable while the proxy reconnects is `lock_unavailable`, and commits wait
         // out the write-backs that may have been in flight before the restart
-        // (`write_conflict`): neither is the store's answer.
-        if r.json["error"] == "lock_unavailable" || r.json["error"] == "write_conflict" {
+        // (`write_conflict`, or `session_busy` when the write's wait deadline ends first):
+        // none is the store's answer.
+        if ["lock_unavailable", "write_conflict", "session_busy"].contains(&r.json["error"].as_str().unwrap_or("")) {
             tokio::time::sleep(Duration::from_millis(50)).await;
             continue;
         }
