@@ -8,9 +8,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode};
-use http_body_util::{BodyExt, Full};
+use http_body_util::Full;
 use hyper::body::Incoming;
-use serde_json::Value;
 use turnlock::client::JsonClient;
 
 use crate::support::*;
@@ -23,18 +22,8 @@ async fn store_answering(target: std::net::SocketAddr, conflicts: usize, read_de
     serve(move |req: Request<Incoming>| {
         let (direct, left) = (direct.clone(), left.clone());
         async move {
-            let (method, path) = (req.method().clone(), req.uri().path().to_owned());
-            let headers: Vec<(String, String)> = ["if-match", "if-none-match"]
-                .iter()
-                .filter_map(|h| Some((h.to_string(), req.headers().get(*h)?.to_str().ok()?.to_owned())))
-                .collect();
-            let body = req
-                .into_body()
-                .collect()
-                .await
-                .map(|c| c.to_bytes())
-                .unwrap_or_default();
-            if method == Method::PUT
+            let forwarded = Forwarded::read(req).await;
+            if forwarded.method == Method::PUT
                 && left
                     .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
                     .is_ok()
@@ -44,24 +33,10 @@ async fn store_answering(target: std::net::SocketAddr, conflicts: usize, read_de
                     .body(Full::new(Bytes::from_static(b"{\"error\":\"conflict\"}")))
                     .expect("response");
             }
-            if method == Method::GET && path != "/" {
+            if forwarded.method == Method::GET && forwarded.path != "/" {
                 tokio::time::sleep(read_delay).await;
             }
-            let json: Option<Value> = serde_json::from_slice(&body).ok();
-            let hdrs: Vec<(&str, String)> = headers.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
-            match direct.send(method, &path, json.as_ref(), &hdrs).await {
-                Ok(r) => {
-                    let mut b = Response::builder().status(r.status);
-                    if let Some(e) = r.headers.get("etag") {
-                        b = b.header("etag", e);
-                    }
-                    b.body(Full::new(r.body)).expect("response")
-                }
-                Err(_) => Response::builder()
-                    .status(502)
-                    .body(Full::new(Bytes::new()))
-                    .expect("response"),
-            }
+            forwarded.send(direct).await
         }
     })
     .await

@@ -3,13 +3,11 @@
 
 use std::sync::Arc;
 
-use bytes::Bytes;
-use http::{Method, Request, Response};
-use http_body_util::{BodyExt, Full};
+use http::{Method, Request};
 use hyper::body::Incoming;
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
-use serde_json::{json, Value};
+use serde_json::json;
 use tokio::net::TcpListener;
 use turnlock::client::JsonClient;
 
@@ -42,32 +40,7 @@ async fn https_store(target: std::net::SocketAddr) -> (u16, String) {
                 let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
                     let direct = direct.clone();
                     async move {
-                        let (method, path) = (req.method().clone(), req.uri().path().to_owned());
-                        let headers: Vec<(String, String)> = ["if-match", "if-none-match", "x-fencing-token"]
-                            .iter()
-                            .filter_map(|h| Some((h.to_string(), req.headers().get(*h)?.to_str().ok()?.to_owned())))
-                            .collect();
-                        let body = req
-                            .into_body()
-                            .collect()
-                            .await
-                            .map(|c| c.to_bytes())
-                            .unwrap_or_default();
-                        let json: Option<Value> = serde_json::from_slice(&body).ok();
-                        let hdrs: Vec<(&str, String)> = headers.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
-                        let res = match direct.send(method, &path, json.as_ref(), &hdrs).await {
-                            Ok(r) => {
-                                let mut b = Response::builder().status(r.status);
-                                if let Some(e) = r.headers.get("etag") {
-                                    b = b.header("etag", e);
-                                }
-                                b.body(Full::new(r.body)).expect("response")
-                            }
-                            Err(_) => Response::builder()
-                                .status(502)
-                                .body(Full::new(Bytes::new()))
-                                .expect("response"),
-                        };
+                        let res = crate::support::Forwarded::read(req).await.send(direct).await;
                         Ok::<_, std::convert::Infallible>(res)
                     }
                 });

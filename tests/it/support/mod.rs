@@ -9,7 +9,7 @@ mod stores;
 pub mod third_party;
 pub mod tls;
 
-pub use stores::{front_store, serve, PutDelay};
+pub use stores::{front_store, serve, Forwarded, PutDelay};
 
 use std::io::{BufRead, BufReader};
 use std::net::{SocketAddr, TcpListener, TcpStream};

@@ -60,48 +60,74 @@ pub async fn front_store(target: SocketAddr, delay: PutDelay) -> SocketAddr {
     serve(move |req: Request<Incoming>| {
         let (direct, first_put) = (direct.clone(), first_put.clone());
         async move {
-            let method = req.method().clone();
-            let path = req.uri().path().to_owned();
-            let headers: Vec<(String, String)> = ["if-match", "if-none-match", "x-fencing-token"]
-                .iter()
-                .filter_map(|h| Some((h.to_string(), req.headers().get(*h)?.to_str().ok()?.to_owned())))
-                .collect();
-            let body = req
-                .into_body()
-                .collect()
-                .await
-                .map(|c| c.to_bytes())
-                .unwrap_or_default();
-            let is_put = method == Method::PUT;
+            let forwarded = Forwarded::read(req).await;
+            let is_put = forwarded.method == Method::PUT;
             if let (true, PutDelay::Every(d)) = (is_put, delay) {
                 tokio::time::sleep(d).await;
             }
             // Applied on a task of its own: whether the client still waits or not.
-            let applied = tokio::spawn(async move {
-                let json: Option<Value> = serde_json::from_slice(&body).ok();
-                let hdrs: Vec<(&str, String)> = headers.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
-                direct.send(method, &path, json.as_ref(), &hdrs).await
-            })
-            .await;
+            let applied = tokio::spawn(forwarded.send(direct)).await;
             if let (true, PutDelay::FirstAnswer(d)) = (is_put, delay) {
                 if first_put.swap(false, Ordering::SeqCst) {
                     tokio::time::sleep(d).await;
                 }
             }
-            match applied {
-                Ok(Ok(r)) => {
-                    let mut b = Response::builder().status(r.status);
-                    if let Some(e) = r.headers.get("etag") {
-                        b = b.header("etag", e);
-                    }
-                    b.body(Full::new(r.body)).expect("response")
-                }
-                _ => Response::builder()
-                    .status(502)
-                    .body(Full::new(Bytes::new()))
-                    .expect("response"),
-            }
+            applied.unwrap_or_else(|_| bad_gateway())
         }
     })
     .await
+}
+
+/// A request to a stand-in store, read whole, to be forwarded to the reference store with its
+/// preconditions and fencing token.
+pub struct Forwarded {
+    pub method: Method,
+    pub path: String,
+    headers: Vec<(String, String)>,
+    body: Bytes,
+}
+
+impl Forwarded {
+    pub async fn read(req: Request<Incoming>) -> Self {
+        let (method, path) = (req.method().clone(), req.uri().path().to_owned());
+        let headers = ["if-match", "if-none-match", "x-fencing-token"]
+            .iter()
+            .filter_map(|h| Some((h.to_string(), req.headers().get(*h)?.to_str().ok()?.to_owned())))
+            .collect();
+        let body = req
+            .into_body()
+            .collect()
+            .await
+            .map(|c| c.to_bytes())
+            .unwrap_or_default();
+        Self {
+            method,
+            path,
+            headers,
+            body,
+        }
+    }
+
+    /// Sends it through `direct`: the reference store's status, ETag and body, or 502.
+    pub async fn send(self, direct: JsonClient) -> Response<Full<Bytes>> {
+        let json: Option<Value> = serde_json::from_slice(&self.body).ok();
+        let headers: Vec<(&str, String)> = self.headers.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+        match direct.send(self.method, &self.path, json.as_ref(), &headers).await {
+            Ok(r) => {
+                let mut b = Response::builder().status(r.status);
+                if let Some(e) = r.headers.get("etag") {
+                    b = b.header("etag", e);
+                }
+                b.body(Full::new(r.body)).expect("response")
+            }
+            Err(_) => bad_gateway(),
+        }
+    }
+}
+
+fn bad_gateway() -> Response<Full<Bytes>> {
+    Response::builder()
+        .status(502)
+        .body(Full::new(Bytes::new()))
+        .expect("response")
 }
