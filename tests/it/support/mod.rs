@@ -343,10 +343,60 @@ impl Proc {
 
     /// A `turnlock store` process on a free port; returns once it listens.
     pub fn store() -> (Self, u16) {
-        let port = free_port();
-        let proc = Self::spawn(&["store", "--listen", &format!("127.0.0.1:{port}")]);
-        wait_for_port(port, Duration::from_secs(10));
+        let (proc, [port]) = Self::listening(|[port]| {
+            let mut command = Command::new(turnlock_bin());
+            command.args(["store", "--listen", &format!("127.0.0.1:{port}")]);
+            command
+        });
         (proc, port)
+    }
+
+    /// A `turnlock` process that `command` makes for `N` free loopback ports; returns once
+    /// it listens on all of them. A free port can be taken by another test before the process
+    /// binds it: then it exits, and other ports are tried. Panics with what the process wrote
+    /// to stderr when it never starts.
+    pub fn listening<const N: usize>(mut command: impl FnMut([u16; N]) -> Command) -> (Self, [u16; N]) {
+        let mut why = String::new();
+        for _ in 0..5 {
+            let ports = [(); N].map(|()| free_port());
+            let stderr = tempfile::NamedTempFile::new().expect("stderr file");
+            let child = command(ports)
+                .env("RUST_LOG", "warn")
+                .stdout(Stdio::null())
+                .stderr(stderr.reopen().expect("stderr file"))
+                .spawn()
+                .expect("spawn turnlock");
+            let mut proc = Self { child };
+            if ports
+                .iter()
+                .all(|&port| proc.wait_for_port(port, Duration::from_secs(20)))
+            {
+                return (proc, ports);
+            }
+            let _ = proc.child.kill();
+            let status = proc.child.wait().expect("wait for turnlock");
+            why = format!(
+                "{status} on ports {ports:?}: {}",
+                std::fs::read_to_string(stderr.path()).unwrap_or_default()
+            );
+        }
+        panic!("turnlock did not start on any of 5 sets of free ports; last: {why}");
+    }
+
+    /// True once something listens on `port`; false when this process exits first or
+    /// `timeout` passes.
+    fn wait_for_port(&mut self, port: u16, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if !matches!(self.child.try_wait(), Ok(None)) {
+                return false;
+            }
+            if TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        false
     }
 
     pub fn pid(&self) -> i32 {
@@ -395,18 +445,23 @@ impl ProxyProc {
     /// Starts it in front of `upstream` (with Redis at `redis`, if any) and `extra` flags;
     /// returns once both its ports listen.
     pub fn spawn(upstream: &str, redis: Option<&str>, extra: &[&str]) -> Self {
-        let addr = SocketAddr::from(([127, 0, 0, 1], free_port()));
-        let admin = SocketAddr::from(([127, 0, 0, 1], free_port()));
-        let (a, m) = (addr.to_string(), admin.to_string());
-        let mut args = vec!["proxy", "--listen", &a, "--admin", &m, "--upstream", upstream];
-        if let Some(redis) = redis {
-            args.extend_from_slice(&["--redis", redis]);
+        let (proc, [port, admin]) = Proc::listening(|[port, admin]| {
+            let mut command = Command::new(turnlock_bin());
+            command
+                .arg("proxy")
+                .args(["--listen", &format!("127.0.0.1:{port}")])
+                .args(["--admin", &format!("127.0.0.1:{admin}")])
+                .args(["--upstream", upstream])
+                .args(redis.map(|r| ["--redis", r]).into_iter().flatten())
+                .args(extra);
+            command
+        });
+        let at = |port| SocketAddr::from(([127, 0, 0, 1], port));
+        Self {
+            proc,
+            addr: at(port),
+            admin: at(admin),
         }
-        args.extend_from_slice(extra);
-        let proc = Proc::spawn(&args);
-        wait_for_port(addr.port(), Duration::from_secs(20));
-        wait_for_port(admin.port(), Duration::from_secs(20));
-        Self { proc, addr, admin }
     }
 
     pub fn client(&self) -> JsonClient {

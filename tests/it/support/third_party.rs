@@ -260,29 +260,21 @@ pub fn sidecar_process(
     routes: &tempfile::NamedTempFile,
     env: &[(String, String)],
 ) -> (super::Proc, String) {
-    let (port, admin) = (free_port(), free_port());
-    let child = Command::new(super::turnlock_bin())
-        .args([
-            "proxy",
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-            "--admin",
-            &format!("127.0.0.1:{admin}"),
-        ])
-        .args(["--upstream", &store.url(), "--redis", &redis.url()])
-        .arg("--routes")
-        .arg(routes.path())
-        .env_remove("AWS_ACCESS_KEY_ID")
-        .env_remove("AWS_SECRET_ACCESS_KEY")
-        .env_remove("AWS_SESSION_TOKEN")
-        .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn turnlock");
-    let proc = super::Proc { child };
-    wait_for_port(port, Duration::from_secs(20));
+    let (proc, [port, _admin]) = super::Proc::listening(|[port, admin]| {
+        let mut command = Command::new(super::turnlock_bin());
+        command
+            .arg("proxy")
+            .args(["--listen", &format!("127.0.0.1:{port}")])
+            .args(["--admin", &format!("127.0.0.1:{admin}")])
+            .args(["--upstream", &store.url(), "--redis", &redis.url()])
+            .arg("--routes")
+            .arg(routes.path())
+            .env_remove("AWS_ACCESS_KEY_ID")
+            .env_remove("AWS_SECRET_ACCESS_KEY")
+            .env_remove("AWS_SESSION_TOKEN")
+            .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+        command
+    });
     (proc, format!("http://127.0.0.1:{port}"))
 }
 
