@@ -22,6 +22,11 @@ const EXIT_FORCED: i32 = 130;
     about = "Serializes AI-agent session-context writes: a sidecar proxy with lock, fence and idempotency."
 )]
 struct Cli {
+    /// Threads that serve requests. `proxy` runs one by default, as sidecar proxies do: it
+    /// shares the pod's CPUs with the agent, and one thread forwards tens of thousands of
+    /// requests a second with no cross-thread hand-offs. Other commands use one per CPU.
+    #[arg(long, global = true, env = "TURNLOCK_WORKER_THREADS", value_parser = clap::value_parser!(u16).range(1..=1024))]
+    worker_threads: Option<u16>,
     #[command(subcommand)]
     command: Command,
 }
@@ -84,7 +89,20 @@ fn main() -> ExitCode {
             return ExitCode::from(EXIT_USAGE);
         }
     };
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let threads = cli
+        .worker_threads
+        .map(usize::from)
+        .or(matches!(cli.command, Command::Proxy(_)).then_some(1));
+    let mut builder = match threads {
+        Some(1) => tokio::runtime::Builder::new_current_thread(),
+        Some(n) => {
+            let mut b = tokio::runtime::Builder::new_multi_thread();
+            b.worker_threads(n);
+            b
+        }
+        None => tokio::runtime::Builder::new_multi_thread(),
+    };
+    let runtime = match builder.enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("turnlock: cannot start the runtime: {e}");
