@@ -135,7 +135,10 @@ impl Proxy {
     async fn forward(&self, mut req: Request<Body>, peer: SocketAddr) -> Response<Body> {
         let upstream = &self.inner.upstream;
         let upgrade = passthrough::upgrade_requested(req.headers());
-        let client_upgrade = upgrade.as_ref().map(|_| hyper::upgrade::on(&mut req));
+        let client_upgrade = upgrade.as_ref().map(|_| {
+            let outliving = req.extensions().get::<crate::server::Outliving>().cloned();
+            (hyper::upgrade::on(&mut req), outliving)
+        });
         let (mut parts, body) = req.into_parts();
         parts.uri = match upstream.uri_of(&parts.uri) {
             Ok(u) => u,
@@ -169,8 +172,8 @@ impl Proxy {
             Ok(mut res) => {
                 let switched = res.status() == StatusCode::SWITCHING_PROTOCOLS;
                 let res_protocol = res.headers().get(header::UPGRADE).cloned();
-                if let (true, Some(client)) = (switched, client_upgrade) {
-                    passthrough::tunnel(client, hyper::upgrade::on(&mut res));
+                if let (true, Some((client, outliving))) = (switched, client_upgrade) {
+                    passthrough::tunnel(client, hyper::upgrade::on(&mut res), outliving);
                 }
                 let (mut parts, body) = res.into_parts();
                 crate::http::strip_hop_by_hop(&mut parts.headers);

@@ -113,9 +113,15 @@ pub fn keep_upgrade(headers: &mut HeaderMap, protocol: HeaderValue) {
     headers.insert(header::UPGRADE, protocol);
 }
 
-/// Once both sides switched protocols, copies bytes both ways until either side closes.
-pub fn tunnel(client: hyper::upgrade::OnUpgrade, upstream: hyper::upgrade::OnUpgrade) {
-    tokio::spawn(async move {
+/// Once both sides switched protocols, copies bytes both ways until either side closes; on
+/// the account of the client's connection when the server gave one (`outliving`), so that a
+/// shutdown drains the tunnel as it does connections.
+pub fn tunnel(
+    client: hyper::upgrade::OnUpgrade,
+    upstream: hyper::upgrade::OnUpgrade,
+    outliving: Option<crate::server::Outliving>,
+) {
+    let copy = async move {
         let (client, upstream) = match tokio::try_join!(client, upstream) {
             Ok(both) => both,
             Err(error) => {
@@ -127,5 +133,9 @@ pub fn tunnel(client: hyper::upgrade::OnUpgrade, upstream: hyper::upgrade::OnUpg
         if let Err(error) = tokio::io::copy_bidirectional(&mut client, &mut upstream).await {
             tracing::debug!(%error, "upgraded connection ended with an error");
         }
-    });
+    };
+    match outliving {
+        Some(outliving) => outliving.spawn(copy),
+        None => drop(tokio::spawn(copy)),
+    }
 }

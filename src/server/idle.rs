@@ -47,6 +47,9 @@ pub struct Activity {
     /// Every answer is written out: hyper flushed its socket (which it does only with its own
     /// write buffer empty) since the last request ended.
     flushed: AtomicBool,
+    /// The current request's body was dropped before its end: hyper closes the connection
+    /// after the answer (unless the rest was already buffered), which the answer then says.
+    unread: AtomicBool,
 }
 
 impl Activity {
@@ -68,6 +71,11 @@ impl Activity {
     /// client closed it, or hyper chose to close).
     pub fn idled(&self) -> bool {
         self.idled.load(Ordering::Relaxed)
+    }
+
+    /// Whether the body of the request just answered was dropped before its end; cleared.
+    pub fn take_unread(&self) -> bool {
+        self.unread.swap(false, Ordering::Relaxed)
     }
 
     /// The connection becomes a tunnel for good.
@@ -103,11 +111,35 @@ impl Drop for InFlight {
 pub struct Tracked<B> {
     body: B,
     busy: Option<InFlight>,
+    /// A request's body: dropped before its end, it is marked unread on its connection.
+    request: bool,
 }
 
 impl<B> Tracked<B> {
-    pub fn new(body: B, busy: Option<InFlight>) -> Self {
-        Self { body, busy }
+    /// A request's body; `busy` (when it has one) is held until its end.
+    pub fn request(body: B, busy: Option<InFlight>) -> Self {
+        Self {
+            body,
+            busy,
+            request: true,
+        }
+    }
+
+    /// An answer's body, holding its request's guard until its end.
+    pub fn answer(body: B, request: InFlight) -> Self {
+        Self {
+            body,
+            busy: Some(request),
+            request: false,
+        }
+    }
+}
+
+impl<B> Drop for Tracked<B> {
+    fn drop(&mut self) {
+        if let (true, Some(busy)) = (self.request, &self.busy) {
+            busy.0.unread.store(true, Ordering::Relaxed);
+        }
     }
 }
 
@@ -117,7 +149,7 @@ impl<B: Body + Unpin> Body for Tracked<B> {
 
     fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<B::Data>, B::Error>>> {
         let frame = std::task::ready!(Pin::new(&mut self.body).poll_frame(cx));
-        if frame.is_none() {
+        if frame.is_none() || self.body.is_end_stream() {
             self.busy = None;
         }
         Poll::Ready(frame)

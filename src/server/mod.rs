@@ -47,6 +47,28 @@ pub struct Conn {
     pub original_dst: Option<SocketAddr>,
 }
 
+/// Work a request starts that outlives its answer (the tunnel of an upgraded connection), run
+/// on its connection's account: the shutdown drain waits for it as for an open connection,
+/// until the grace runs out and ends it. Found in the extensions of requests that ask for an
+/// upgrade.
+#[derive(Clone)]
+pub struct Outliving {
+    connections: tokio_util::task::TaskTracker,
+    hard_stop: CancellationToken,
+}
+
+impl Outliving {
+    pub fn spawn(&self, work: impl Future<Output = ()> + Send + 'static) {
+        let hard_stop = self.hard_stop.clone();
+        self.connections.spawn(async move {
+            tokio::select! {
+                _ = work => {}
+                _ = hard_stop.cancelled() => {}
+            }
+        });
+    }
+}
+
 /// Serves `handler` on `listener` until `shutdown` fires, then stops accepting and gives open
 /// connections `grace` to finish their requests (answers then carry `Connection: close`);
 /// connections still open after it are closed.
@@ -121,6 +143,10 @@ pub async fn serve_with<M, S, B>(
             },
         };
         let draining = shutdown.clone();
+        let outliving = Outliving {
+            connections: connections.clone(),
+            hard_stop: hard_stop.clone(),
+        };
         let activity = Arc::new(Activity::default());
         let stack = make(conn);
         let builder = builder.clone();
@@ -152,6 +178,7 @@ pub async fn serve_with<M, S, B>(
                     inner: TowerToHyperService::new(stack.clone()),
                     conn,
                     draining: draining.clone(),
+                    outliving: outliving.clone(),
                     activity: activity.clone(),
                 };
                 // Boxed: an idle connection's task keeps only the socket, not hyper's state.
@@ -229,12 +256,14 @@ async fn next_bytes(io: &IdleIo, first: bool, graceful: &CancellationToken) -> b
 }
 
 /// The service hyper calls on one connection: puts the connection's [`Conn`] into each
-/// request's extensions, `Connection: close` on each answer once shutdown began (the drain),
+/// request's extensions (and [`Outliving`] into those asking for an upgrade), `Connection:
+/// close` on each answer once shutdown began (the drain) or when the connection ends after it,
 /// and counts the request as busy from the moment hyper has read its head (for `idle`).
 struct Connection<S> {
     inner: TowerToHyperService<S>,
     conn: Conn,
     draining: CancellationToken,
+    outliving: Outliving,
     activity: Arc<Activity>,
 }
 
@@ -244,7 +273,7 @@ impl<S, R> hyper::service::Service<Request<Incoming>> for Connection<S>
 where
     S: Service<Request<RequestBody>, Response = Response<R>, Error = Infallible> + Clone + Send + 'static,
     S::Future: Send + 'static,
-    R: Send + 'static,
+    R: http_body::Body + Send + 'static,
 {
     type Response = Response<Tracked<R>>;
     type Error = Infallible;
@@ -252,22 +281,37 @@ where
 
     fn call(&self, mut req: Request<Incoming>) -> Self::Future {
         req.extensions_mut().insert(self.conn);
+        if req.headers().contains_key(http::header::UPGRADE) {
+            req.extensions_mut().insert(self.outliving.clone());
+        }
         // Busy from here (hyper has the head) until the answer's body is dropped, and while
         // the request's body may still be read.
         let request = self.activity.begin();
         let reading = (!http_body::Body::is_end_stream(req.body())).then(|| self.activity.hold());
-        let answer = hyper::service::Service::call(&self.inner, req.map(|body| Tracked::new(body, reading)));
+        self.activity.take_unread();
+        let version = req.version();
+        let answer = hyper::service::Service::call(&self.inner, req.map(|body| Tracked::request(body, reading)));
         let draining = self.draining.clone();
         let activity = self.activity.clone();
         Box::pin(async move {
             let mut res = answer.await?;
-            if draining.is_cancelled() {
+            // A body left unread (a refusal that did not need it) makes hyper close the
+            // connection, and so does an HTTP/1.0 answer of unknown length (it ends with
+            // the connection): the answer says so, as it does once the drain began.
+            let ends_with_connection =
+                version == http::Version::HTTP_10 && http_body::Body::size_hint(res.body()).exact().is_none();
+            if draining.is_cancelled() || activity.take_unread() || ends_with_connection {
                 close_after(&mut res);
+            }
+            if ends_with_connection {
+                // Else hyper, answering an HTTP/1.0 client with an HTTP/1.1 answer (a store's),
+                // adds `keep-alive` to it.
+                *res.version_mut() = http::Version::HTTP_10;
             }
             if res.status() == http::StatusCode::SWITCHING_PROTOCOLS {
                 activity.tunnel();
             }
-            Ok(res.map(|body| Tracked::new(body, Some(request))))
+            Ok(res.map(|body| Tracked::answer(body, request)))
         })
     }
 }

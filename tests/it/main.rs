@@ -15,6 +15,7 @@ mod cluster;
 mod coalescing;
 mod commit_order;
 mod commit_round_trips;
+mod connection_close;
 mod contention;
 mod deploy_metrics;
 mod edges;

@@ -197,11 +197,9 @@ async fn read_head(stream: &mut TcpStream) -> Option<String> {
     String::from_utf8(head).ok()
 }
 
-#[tokio::test]
-async fn a_websocket_upgrade_is_passed_through_and_bytes_flow_both_ways() {
-    let store = upgrade_echo_server().await;
-    let proxy = proxy(proxy_args(store, None)).await;
-    let mut client = TcpStream::connect(proxy.addr).await.expect("connect");
+/// Opens a WebSocket tunnel through the proxy at `addr`; returns it and the answer's head.
+async fn open_tunnel(addr: SocketAddr) -> (TcpStream, String) {
+    let mut client = TcpStream::connect(addr).await.expect("connect");
     client
         .write_all(
             b"GET /v1/sessions/s1/live HTTP/1.1\r\nhost: store\r\nconnection: Upgrade\r\nupgrade: websocket\r\n\
@@ -210,6 +208,65 @@ async fn a_websocket_upgrade_is_passed_through_and_bytes_flow_both_ways() {
         .await
         .expect("send");
     let head = read_head(&mut client).await.expect("response head");
+    (client, head)
+}
+
+/// Sends `msg` through the tunnel; true when it comes back within a second.
+async fn echoes(client: &mut TcpStream, msg: &str) -> bool {
+    if client.write_all(msg.as_bytes()).await.is_err() {
+        return false;
+    }
+    let mut got = vec![0u8; msg.len()];
+    matches!(
+        tokio::time::timeout(Duration::from_secs(1), client.read_exact(&mut got)).await,
+        Ok(Ok(_)) if got == msg.as_bytes()
+    )
+}
+
+#[tokio::test]
+async fn a_websocket_tunnel_is_drained_at_shutdown_and_closed_when_the_grace_runs_out() {
+    let store = upgrade_echo_server().await;
+    let mut args = proxy_args(store, None);
+    args.shutdown_grace_ms = 1500;
+    let proxy = proxy(args).await;
+    let (mut client, head) = open_tunnel(proxy.addr).await;
+    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+    assert!(echoes(&mut client, "before").await);
+
+    let began = Instant::now();
+    proxy.shutdown_token().cancel();
+    let stopped = tokio::spawn(proxy.wait());
+    // Past the linger (a quarter of the grace), while the drain runs: the tunnel still flows.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert!(
+        echoes(&mut client, "during the drain").await,
+        "tunnel cut before the grace ran out"
+    );
+    assert!(!stopped.is_finished(), "the proxy stopped with a tunnel open");
+
+    // The grace runs out: the tunnel is closed and the proxy stops.
+    let mut buf = [0u8; 16];
+    let closed = tokio::time::timeout(Duration::from_secs(5), client.read(&mut buf)).await;
+    assert!(
+        matches!(closed, Ok(Ok(0)) | Ok(Err(_))),
+        "tunnel not closed: {closed:?}"
+    );
+    tokio::time::timeout(Duration::from_secs(5), stopped)
+        .await
+        .expect("the proxy stops")
+        .expect("join");
+    let took = began.elapsed();
+    assert!(
+        took >= Duration::from_millis(1400) && took < Duration::from_millis(4000),
+        "stopped after {took:?} with a 1.5 s grace"
+    );
+}
+
+#[tokio::test]
+async fn a_websocket_upgrade_is_passed_through_and_bytes_flow_both_ways() {
+    let store = upgrade_echo_server().await;
+    let proxy = proxy(proxy_args(store, None)).await;
+    let (mut client, head) = open_tunnel(proxy.addr).await;
     assert!(head.starts_with("HTTP/1.1 101"), "{head}");
     let lower = head.to_ascii_lowercase();
     assert!(
