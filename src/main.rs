@@ -22,9 +22,9 @@ const EXIT_FORCED: i32 = 130;
     about = "Serializes AI-agent session-context writes: a sidecar proxy with lock, fence and idempotency."
 )]
 struct Cli {
-    /// Threads that serve requests. `proxy` runs one by default, as sidecar proxies do: it
-    /// shares the pod's CPUs with the agent, and one thread forwards tens of thousands of
-    /// requests a second with no cross-thread hand-offs. Other commands use one per CPU.
+    /// Threads that serve requests. `proxy` runs at most two by default, and one where the
+    /// container may use one CPU or less (its CPU limit): a sidecar shares the pod's CPUs with
+    /// the agent. Other commands use one per CPU.
     #[arg(long, global = true, env = "TURNLOCK_WORKER_THREADS", value_parser = clap::value_parser!(u16).range(1..=1024))]
     worker_threads: Option<u16>,
     #[command(subcommand)]
@@ -92,7 +92,11 @@ fn main() -> ExitCode {
     let threads = cli
         .worker_threads
         .map(usize::from)
-        .or(matches!(cli.command, Command::Proxy(_)).then_some(1));
+        .or(matches!(cli.command, Command::Proxy(_)).then(|| {
+            // The CPUs this process may use: its cgroup's CPU quota (a container's CPU limit)
+            // is counted, rounded up.
+            std::thread::available_parallelism().map_or(1, |n| n.get().min(2))
+        }));
     let mut builder = match threads {
         Some(1) => tokio::runtime::Builder::new_current_thread(),
         Some(n) => {
