@@ -328,14 +328,9 @@ impl Locks {
         let (r, key, token, slot) = (r.clone(), key.to_owned(), token.to_owned(), slot.clone());
         let until = Instant::now() + r.settings.slot_ttl;
         tokio::spawn(async move {
-            let mut pause = Duration::from_millis(100);
-            while Instant::now() + pause < until {
-                tokio::time::sleep(pause).await;
-                if r.release_again(&key, &token, &slot).await.is_ok() {
-                    tracing::info!(slot = %slot.scope.slot(), "commit slot given back after a retry");
-                    return;
-                }
-                pause = (pause * 2).min(Duration::from_millis(400));
+            let again = || async { r.release_again(&key, &token, &slot).await.is_ok() };
+            if crate::redis_conn::again_until(until, again).await {
+                tracing::info!(slot = %slot.scope.slot(), "commit slot given back after a retry");
             }
         });
     }

@@ -36,6 +36,8 @@ use crate::redis_url::{ClusterSpec, SentinelSpec, Target};
 mod cluster;
 mod progress;
 mod resend;
+
+pub use self::resend::again_until;
 mod restart;
 mod scan;
 mod sentinel;

@@ -16,11 +16,6 @@ use crate::proxy::answer::{Answer, Record};
 use crate::proxy::error::WriteError;
 use crate::redis_conn::Entry;
 
-/// The first pause before entries that could not be stored are tried again; it doubles up to
-/// [`SETTLE_PAUSE_MAX`].
-const SETTLE_PAUSE: Duration = Duration::from_millis(100);
-const SETTLE_PAUSE_MAX: Duration = Duration::from_millis(400);
-
 impl Shared {
     /// How long a claim lives: as long as its write can still run (the wait for the lock,
     /// every store round trip of every attempt, the lease's slack), plus a margin.
@@ -57,22 +52,21 @@ pub(super) fn settle_later(s: &Arc<Shared>, entries: Vec<Entry>, error: String) 
     tracing::warn!(%error, entries = entries.len(), "idempotency records not stored: trying again in the background");
     // Not tracked: a drain does not wait for it (the claims expire by themselves).
     tokio::spawn(async move {
-        let mut pause = SETTLE_PAUSE;
-        while Instant::now() + pause < until {
-            tokio::time::sleep(pause).await;
-            match shared.records.put_entries(entries.clone()).await {
-                Ok(()) => {
-                    tracing::info!(entries = entries.len(), "idempotency records stored after a retry");
-                    return;
-                }
-                Err(e) => tracing::debug!(error = %e, "idempotency records still not stored"),
+        let again = || async {
+            let stored = shared.records.put_entries(entries.clone()).await;
+            if let Err(e) = &stored {
+                tracing::debug!(error = %e, "idempotency records still not stored");
             }
-            pause = (pause * 2).min(SETTLE_PAUSE_MAX);
+            stored.is_ok()
+        };
+        if crate::redis_conn::again_until(until, again).await {
+            tracing::info!(entries = entries.len(), "idempotency records stored after a retry");
+        } else {
+            tracing::warn!(
+                entries = entries.len(),
+                "idempotency records never stored; their claims expire by themselves"
+            );
         }
-        tracing::warn!(
-            entries = entries.len(),
-            "idempotency records never stored; their claims expire by themselves"
-        );
     });
 }
 
