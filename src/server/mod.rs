@@ -31,8 +31,14 @@ pub type RequestBody = Tracked<Incoming>;
 
 pub use self::intercept::{is_own, original_dst, speaks_http, splice, SNIFF_WAIT};
 
-/// How long a client may take to send a request head (slow clients are cut off).
+/// How long a client may take to send a request head (slow clients are cut off), and a new
+/// connection its first request.
 pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a keep-alive connection may wait for its next request before it is closed (as
+/// nginx's default). Longer than the idle timeouts of common HTTP client pools, so that the
+/// client, not the server, closes an idle connection: a server closing it first races the
+/// client's next request on it. An idle connection holds no buffers (see `idle`).
+pub const KEEP_ALIVE_TIMEOUT: Duration = Duration::from_secs(75);
 /// Most header lines accepted in one request.
 pub const MAX_HEADERS: usize = 100;
 /// Largest request head buffered, in bytes.
@@ -237,20 +243,21 @@ pub async fn serve_with<M, S, B>(
 }
 
 /// Waits, holding none of hyper's buffers, for the client's first or next bytes: false when
-/// the connection is to be closed instead (it stayed quiet for [`HEADER_READ_TIMEOUT`], as an
-/// idle keep-alive connection is, or the server closes its idle connections; a client that
-/// closed reads as bytes, the end of its stream). `hard_stop` follows `graceful`, so this
+/// the connection is to be closed instead (a new one stayed quiet for [`HEADER_READ_TIMEOUT`],
+/// an idle keep-alive one for [`KEEP_ALIVE_TIMEOUT`], or the server closes its idle
+/// connections; a client that closed reads as bytes, the end of its stream). `hard_stop` follows `graceful`, so this
 /// needs only the latter.
 async fn next_bytes(io: &IdleIo, first: bool, graceful: &CancellationToken) -> bool {
-    let bytes = async {
-        if first {
-            io.first_bytes().await
-        } else {
-            io.readable().await
-        }
+    let (bytes, wait) = if first {
+        (
+            futures_util::future::Either::Left(io.first_bytes()),
+            HEADER_READ_TIMEOUT,
+        )
+    } else {
+        (futures_util::future::Either::Right(io.readable()), KEEP_ALIVE_TIMEOUT)
     };
     tokio::select! {
-        ready = tokio::time::timeout(HEADER_READ_TIMEOUT, bytes) => matches!(ready, Ok(Ok(()))),
+        ready = tokio::time::timeout(wait, bytes) => matches!(ready, Ok(Ok(()))),
         _ = graceful.cancelled() => false,
     }
 }

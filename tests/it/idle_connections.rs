@@ -145,6 +145,24 @@ async fn a_keep_alive_connection_is_served_across_idle_pauses_split_and_pipeline
     assert_eq!(doc["turn"], 5);
 }
 
+/// Longer than the header read timeout (10 s) that used to close idle keep-alive connections:
+/// a client pool that keeps a connection for a while finds it open, not closed under its next
+/// request.
+#[tokio::test]
+async fn a_keep_alive_connection_idle_past_the_header_timeout_is_kept_open() {
+    let store = store().await;
+    let proxy = proxy(proxy_args(store.addr, None)).await;
+    let (mut conn, mut buf) = served(proxy.addr).await;
+    let (head, body) = append("kept-1", 1, "m1");
+    send(&mut conn, &(head + &body)).await;
+    assert!((200..300).contains(&response(&mut conn, &mut buf).await.0));
+    tokio::time::sleep(turnlock::server::HEADER_READ_TIMEOUT + Duration::from_secs(2)).await;
+    send(&mut conn, &get("kept-1")).await;
+    let (status, doc) = response(&mut conn, &mut buf).await;
+    assert_eq!(status, 200, "{doc}");
+    assert!(doc.contains("\"m1\""), "{doc}");
+}
+
 #[tokio::test]
 async fn many_idle_connections_each_answer_again_after_a_pause() {
     let store = store().await;
