@@ -61,6 +61,32 @@ struct HealthArgs {
     admin: SocketAddr,
 }
 
+/// The environment variable a rejected value came from, when it was not given as a flag:
+/// clap's message names only the flag.
+fn env_source(e: &clap::Error) -> Option<String> {
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    if !matches!(e.kind(), ErrorKind::InvalidValue | ErrorKind::ValueValidation) {
+        return None;
+    }
+    let Some(ContextValue::String(arg)) = e.get(ContextKind::InvalidArg) else {
+        return None;
+    };
+    let long = arg.strip_prefix("--")?.split([' ', '=']).next()?;
+    let flag = format!("--{long}");
+    if std::env::args().any(|a| a == flag || a.starts_with(&format!("{flag}="))) {
+        return None;
+    }
+    fn find(cmd: &clap::Command, long: &str) -> Option<String> {
+        cmd.get_arguments()
+            .find(|a| a.get_long() == Some(long))
+            .and_then(|a| a.get_env())
+            .map(|v| v.to_string_lossy().into_owned())
+            .or_else(|| cmd.get_subcommands().find_map(|c| find(c, long)))
+    }
+    let var = find(&<Cli as clap::CommandFactory>::command(), long)?;
+    std::env::var_os(&var).is_some().then_some(var)
+}
+
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
@@ -68,6 +94,9 @@ fn main() -> ExitCode {
             // Help and version are not errors; a bad argument is a usage error (64), like
             // every other configuration problem.
             let _ = e.print();
+            if let Some(var) = env_source(&e) {
+                eprintln!("note: the value came from the environment variable {var}");
+            }
             return if e.use_stderr() {
                 ExitCode::from(EXIT_USAGE)
             } else {

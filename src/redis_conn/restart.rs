@@ -62,7 +62,15 @@ impl RedisConn {
         let text = match redis::cmd("INFO").arg("server").query_async::<String>(&mut c).await {
             Ok(text) => text,
             Err(error) => {
-                tracing::warn!(%error, "INFO server not answered (does the ACL allow +info?): a Redis restart that lost the commit slots is not noticed");
+                // Asked on every new connection: during an outage that is every reconnect.
+                if let Some(suppressed) = crate::telemetry::warn_allowed("INFO server") {
+                    if error.code().is_some() {
+                        // The server refused it (an ACL without `+info`, a renamed command).
+                        tracing::warn!(%error, suppressed, "INFO server refused (does the ACL allow +info?): a Redis restart that lost the commit slots is not noticed");
+                    } else {
+                        tracing::warn!(%error, suppressed, "INFO server not answered: a Redis restart is noticed on the next connection that reads it");
+                    }
+                }
                 return;
             }
         };

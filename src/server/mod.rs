@@ -309,11 +309,11 @@ where
                 version == http::Version::HTTP_10 && http_body::Body::size_hint(res.body()).exact().is_none();
             if draining.is_cancelled() || activity.take_unread() || ends_with_connection {
                 close_after(&mut res);
-            }
-            if ends_with_connection {
-                // Else hyper, answering an HTTP/1.0 client with an HTTP/1.1 answer (a store's),
-                // adds `keep-alive` to it.
-                *res.version_mut() = http::Version::HTTP_10;
+                if version == http::Version::HTTP_10 {
+                    // Else hyper, answering an HTTP/1.0 client that asked for keep-alive with
+                    // an HTTP/1.1 answer (a store's, or one of ours), adds `keep-alive` to it.
+                    *res.version_mut() = http::Version::HTTP_10;
+                }
             }
             if res.status() == http::StatusCode::SWITCHING_PROTOCOLS {
                 activity.tunnel();

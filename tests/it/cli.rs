@@ -109,6 +109,20 @@ fn values_that_would_break_writes_are_refused_with_64_and_no_secret() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(64), "{stderr}");
     assert!(stderr.contains("TURNLOCK_LOG_FORMAT"), "{stderr}");
+    // A bad value from an environment variable is traced to the variable, not only the flag.
+    for (var, value, args) in [
+        ("TURNLOCK_WORKER_THREADS", "abc", vec!["store"]),
+        ("TURNLOCK_LOCK_TTL_MS", "lots", vec!["proxy"]),
+    ] {
+        let out = Command::new(turnlock_bin())
+            .args(&args)
+            .env(var, value)
+            .output()
+            .expect("run turnlock");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(64), "{var}: {stderr}");
+        assert!(stderr.contains(var), "{var}: {stderr}");
+    }
     let help = Command::new(turnlock_bin()).arg("--help").output().expect("help");
     assert_eq!(help.status.code(), Some(0));
 }

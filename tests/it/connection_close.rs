@@ -60,6 +60,17 @@ async fn a_refusal_that_leaves_the_body_unread_says_connection_close_and_closes(
     assert!(head.starts_with("http/1.1 415"), "{head}");
     assert!(says_close(&head) && closed, "closed {closed}: {head}");
 
+    // An HTTP/1.0 client that asked for keep-alive is told `close` alone, in its version.
+    let (head, closed) = exchange(
+        proxy.addr,
+        b"POST /v1/sessions/s1/messages HTTP/1.0\r\nhost: x\r\nconnection: keep-alive\r\n\
+          content-type: application/json\r\nsession-turn: 1\r\ncontent-length: 5000000\r\n\r\n{",
+    )
+    .await;
+    assert!(head.starts_with("http/1.0 413"), "{head}");
+    assert!(!head.contains("keep-alive"), "{head}");
+    assert!(says_close(&head) && closed, "closed {closed}: {head}");
+
     // The control: a body read to its end and refused keeps the connection, and says so.
     let body = "{not json";
     let request = format!(
