@@ -254,7 +254,7 @@ pub async fn start(args: ProxyArgs) -> Result<Running, StartError> {
             let make = || {
                 let destinations = destinations.clone();
                 let metrics = metrics.clone();
-                move |conn| crate::proxy::stack(metrics.clone(), destinations.for_connection(conn))
+                move |conn| crate::proxy::Edge::new(metrics.clone(), destinations.for_connection(conn))
             };
             let serving = crate::server::serve_with(listener, make(), transparent, shutdown.clone(), grace);
             // Transparent mode: IPv6 connections redirected by the ip6tables rules arrive here.

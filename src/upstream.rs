@@ -167,19 +167,20 @@ impl Upstream {
 
     /// Signs a request forwarded for a client, when turnlock signs for this store (the
     /// client's own signature names the sidecar's address, not the store's).
-    pub fn sign_forwarded(&self, parts: http::request::Parts) -> Result<http::request::Parts, UpstreamError> {
+    pub fn sign_forwarded(&self, parts: &mut http::request::Parts) -> Result<(), UpstreamError> {
         let Some(signer) = &self.signer else {
-            return Ok(parts);
+            return Ok(());
         };
-        let mut parts = parts;
         // Not signed and not sent: a store (or a server in front of it) may answer or drop
         // `Expect: 100-continue` itself, and a signature covering it then no longer verifies.
         parts.headers.remove(header::EXPECT);
-        let mut req = Request::from_parts(parts, ());
-        signer
+        let head = std::mem::replace(parts, Request::new(()).into_parts().0);
+        let mut req = Request::from_parts(head, ());
+        let signed = signer
             .sign_forwarded(&mut req)
-            .map_err(|e| UpstreamError::NotSent(e.to_string()))?;
-        Ok(req.into_parts().0)
+            .map_err(|e| UpstreamError::NotSent(e.to_string()));
+        *parts = req.into_parts().0;
+        signed
     }
 
     /// The same upstream, adding `via` to the `Via` header of every request.
@@ -267,7 +268,7 @@ impl Upstream {
         req: Request<Body>,
         body_sent: impl std::future::Future<Output = bool>,
     ) -> Result<Response<Incoming>, UpstreamError> {
-        let res = if repeatable(&req).is_some() {
+        let res = if is_repeatable(&req) {
             self.send_safe(req).await
         } else {
             self.send_streaming(req, body_sent).await
@@ -349,19 +350,22 @@ impl Upstream {
     }
 }
 
-/// A copy of a request that is safe to send twice (no body, a safe method), to send again.
-fn repeatable(req: &Request<Body>) -> Option<Request<Body>> {
+/// Whether a request is safe to send twice: a safe method and no body.
+fn is_repeatable(req: &Request<Body>) -> bool {
     use http_body::Body as _;
-    let safe = matches!(*req.method(), Method::GET | Method::HEAD | Method::OPTIONS);
-    if !safe || req.body().size_hint().exact() != Some(0) {
+    matches!(*req.method(), Method::GET | Method::HEAD | Method::OPTIONS) && req.body().size_hint().exact() == Some(0)
+}
+
+/// A copy of a request that is safe to send twice ([`is_repeatable`]), to send again.
+fn repeatable(req: &Request<Body>) -> Option<Request<Body>> {
+    if !is_repeatable(req) {
         return None;
     }
-    let mut again = Request::builder()
-        .method(req.method().clone())
-        .uri(req.uri().clone())
-        .version(req.version())
-        .body(crate::http::empty())
-        .ok()?;
+    // Field by field: a builder moves the whole request head at each step.
+    let mut again = Request::new(crate::http::empty());
+    *again.method_mut() = req.method().clone();
+    *again.uri_mut() = req.uri().clone();
+    *again.version_mut() = req.version();
     *again.headers_mut() = req.headers().clone();
     Some(again)
 }

@@ -1,6 +1,7 @@
-//! The cross-cutting layers around the agent-facing service, outermost first: a panic made a
-//! `500` JSON answer (`tower-http`'s catch-panic), a trace span per request (`tower-http`'s
-//! trace, at debug level), and the request counter read from the answer's extensions.
+//! What every request to the agent-facing service goes through, in one layer ([`Edge`], with
+//! a concrete future: nothing boxed or cloned per request): a panic made a `500` JSON answer
+//! (the connection and the process go on), a trace span per request when debug logging is on,
+//! and the request counter read from the answer's extensions.
 //!
 //! Body limits and the body timeout stay with the write's parsing (`request`): their limit
 //! depends on the route (a whole document may be larger than other bodies) and their
@@ -9,39 +10,32 @@
 use std::any::Any;
 use std::convert::Infallible;
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use bytes::Bytes;
 use http::{Request, Response};
 use tower::util::BoxCloneService;
-use tower::{Layer, Service, ServiceBuilder};
-use tower_http::catch_panic::CatchPanicLayer;
-use tower_http::trace::TraceLayer;
+use tower::Service;
 
-use crate::http::{Body, BoxError};
+use crate::http::Body;
 use crate::metrics::{ErrorCode, Metrics, RouteName};
 
-/// The body of every answer the stack gives (catch-panic boxes it once more).
-pub type StackBody = tower_http::body::UnsyncBoxBody<Bytes, BoxError>;
+/// The body of every answer the stack gives.
+pub type StackBody = Body;
 
-/// The agent-facing service with its layers, boxed so its type stays readable.
+/// The agent-facing service with its layers, boxed so its type stays readable (for callers
+/// in the same process; the server runs [`Edge`] unboxed).
 pub type Stack<B> = BoxCloneService<Request<B>, Response<StackBody>, Infallible>;
 
-/// Wraps `inner` (the routing service) in the layers listed in this module's comment.
+/// Wraps `inner` (the routing service) in [`Edge`], boxed.
 pub fn stack<S, B>(metrics: Metrics, inner: S) -> Stack<B>
 where
     S: Service<Request<B>, Response = Response<Body>, Error = Infallible> + Clone + Send + 'static,
     S::Future: Send + 'static,
     B: http_body::Body + Send + 'static,
 {
-    let service = ServiceBuilder::new()
-        .layer(CatchPanicLayer::custom(panic_answer))
-        // Failures are logged by the write log line and the error map; no second log here.
-        .layer(TraceLayer::new_for_http().on_failure(()))
-        .layer(RequestMetrics::layer(metrics))
-        .service(inner);
-    BoxCloneService::new(service)
+    BoxCloneService::new(Edge::new(metrics, inner))
 }
 
 /// The answer to a request whose handler panicked: the connection and the process go on.
@@ -55,52 +49,106 @@ fn panic_answer(panic: Box<dyn Any + Send + 'static>) -> Response<Body> {
     super::EdgeError::Panic.into_response()
 }
 
-/// Counts each answer in `turnlock_requests_total` by its route, status and error code.
+/// The layer around the routing service; see the module's documentation.
 #[derive(Clone)]
-pub struct RequestMetrics<S> {
+pub struct Edge<S> {
     inner: S,
     metrics: Metrics,
 }
 
-// === impl RequestMetrics ===
+// === impl Edge ===
 
-impl<S> RequestMetrics<S> {
-    pub fn layer(metrics: Metrics) -> impl Layer<S, Service = Self> + Clone {
-        tower::layer::layer_fn(move |inner| Self {
-            inner,
-            metrics: metrics.clone(),
-        })
+impl<S> Edge<S> {
+    pub fn new(metrics: Metrics, inner: S) -> Self {
+        Self { inner, metrics }
     }
 }
 
-impl<S, B> Service<Request<B>> for RequestMetrics<S>
+impl<S, B> Service<Request<B>> for Edge<S>
 where
     S: Service<Request<B>, Response = Response<Body>, Error = Infallible>,
-    S::Future: Send + 'static,
 {
     type Response = Response<Body>;
     type Error = Infallible;
-    type Future = Pin<Box<dyn Future<Output = Result<Response<Body>, Infallible>> + Send>>;
+    type Future = Answering<S::Future>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
         self.inner.poll_ready(cx)
     }
 
     fn call(&mut self, req: Request<B>) -> Self::Future {
-        let answer = self.inner.call(req);
-        let metrics = self.metrics.clone();
+        // A span only when debug logging is on: none is made (nor its fields read) otherwise.
+        let span = if tracing::enabled!(tracing::Level::DEBUG) {
+            tracing::debug_span!("request", method = %req.method(), uri = %req.uri(), version = ?req.version())
+        } else {
+            tracing::Span::none()
+        };
         let arrived = std::time::Instant::now();
-        Box::pin(async move {
-            let res = answer.await?;
-            if let Some(route) = res.extensions().get::<RouteName>() {
-                let code = res.extensions().get::<ErrorCode>().map_or("", |c| c.0);
-                metrics.request(route.0, res.status().as_u16(), code);
-                if !matches!(route.0, "forward" | "ambiguous") {
-                    metrics.write_answered(arrived.elapsed());
-                }
+        let answer = match span.in_scope(|| std::panic::catch_unwind(AssertUnwindSafe(|| self.inner.call(req)))) {
+            Ok(answer) => State::Waiting { answer },
+            Err(panic) => State::Panicked {
+                answer: Some(span.in_scope(|| panic_answer(panic))),
+            },
+        };
+        Answering {
+            state: answer,
+            metrics: self.metrics.clone(),
+            arrived,
+            span,
+        }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// An answer on its way: a panic while it is made becomes a `500`, and the answer is
+    /// counted when it comes ([`Edge`]).
+    pub struct Answering<F> {
+        #[pin]
+        state: State<F>,
+        metrics: Metrics,
+        arrived: std::time::Instant,
+        span: tracing::Span,
+    }
+}
+
+pin_project_lite::pin_project! {
+    #[project = StateProj]
+    enum State<F> {
+        Waiting { #[pin] answer: F },
+        Panicked { answer: Option<Response<Body>> },
+    }
+}
+
+impl<F> Future for Answering<F>
+where
+    F: Future<Output = Result<Response<Body>, Infallible>>,
+{
+    type Output = F::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        let _entered = this.span.enter();
+        let res = match this.state.project() {
+            StateProj::Waiting { answer } => match std::panic::catch_unwind(AssertUnwindSafe(|| answer.poll(cx))) {
+                Ok(Poll::Pending) => return Poll::Pending,
+                Ok(Poll::Ready(Ok(res))) => res,
+                Err(panic) => return Poll::Ready(Ok(panic_answer(panic))),
+            },
+            StateProj::Panicked { answer } => {
+                return Poll::Ready(Ok(answer
+                    .take()
+                    .unwrap_or_else(|| super::EdgeError::Panic.into_response())));
             }
-            Ok(res)
-        })
+        };
+        if let Some(route) = res.extensions().get::<RouteName>() {
+            let code = res.extensions().get::<ErrorCode>().map_or("", |c| c.0);
+            this.metrics.request(route.0, res.status().as_u16(), code);
+            if !matches!(route.0, "forward" | "ambiguous") {
+                this.metrics.write_answered(this.arrived.elapsed());
+            }
+        }
+        tracing::debug!(status = res.status().as_u16(), latency = ?this.arrived.elapsed(), "answered");
+        Poll::Ready(Ok(res))
     }
 }
 
@@ -168,5 +216,28 @@ mod tests {
             .to_bytes();
         let body: serde_json::Value = serde_json::from_slice(&body).expect("JSON");
         assert_eq!(body["error"], "internal");
+    }
+
+    #[tokio::test]
+    async fn a_panic_before_the_answer_future_exists_is_a_500_too() {
+        #[derive(Clone)]
+        struct PanicsInCall;
+        impl Service<Request<Body>> for PanicsInCall {
+            type Response = Response<Body>;
+            type Error = Infallible;
+            type Future = std::future::Ready<Result<Response<Body>, Infallible>>;
+            fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+                Poll::Ready(Ok(()))
+            }
+            fn call(&mut self, _: Request<Body>) -> Self::Future {
+                panic!("call bug")
+            }
+        }
+        let metrics = Metrics::new();
+        let res = stack(metrics.clone(), PanicsInCall)
+            .oneshot(Request::get("/").body(crate::http::empty()).expect("request"))
+            .await
+            .expect("infallible");
+        assert_eq!(res.status(), StatusCode::INTERNAL_SERVER_ERROR);
     }
 }

@@ -6,10 +6,9 @@
 //! 1. `server::Connection` (a tower layer per connection): the connection's `Conn` (peer,
 //!    original destination) into the request's extensions; on the way out, `Connection:
 //!    close` once shutdown began. hyper serves the stack through `TowerToHyperService`.
-//! 2. `layers` ([`stack`], a `ServiceBuilder`): catch-panic (`tower-http`: a panic becomes a
-//!    `500` JSON answer, the connection and process go on) → a trace span per request
-//!    (`tower-http`) → [`RequestMetrics`] (`turnlock_requests_total`, from the answer's route
-//!    and error code).
+//! 2. `layers` ([`Edge`], one layer with a concrete future): a panic becomes a `500` JSON
+//!    answer (the connection and process go on) → a trace span per request when debug
+//!    logging is on → `turnlock_requests_total`, from the answer's route and error code.
 //! 3. `transparent::ConnService` (the routing service): the proxy of the connection's store,
 //!    chosen once per connection (per request only for intercepted connections, whose
 //!    requests name their store by `Host`).
@@ -31,7 +30,7 @@ mod request;
 
 pub use self::error::{EdgeError, WriteError};
 pub use self::factory::ProxyFactory;
-pub use self::layers::{stack, RequestMetrics, Stack, StackBody};
+pub use self::layers::{stack, Edge, Stack, StackBody};
 pub use self::pipeline::{Pipeline, Settings as PipelineSettings};
 pub use self::request::{Limits, BODY_READ_TIMEOUT, CONTEXT_REPLACE, IDEMPOTENCY_KEY, SESSION_TURN};
 
@@ -46,7 +45,7 @@ use http_body_util::BodyExt;
 
 use crate::http::{Body, BoxError};
 use crate::metrics::{ErrorCode, Metrics, RouteName};
-use crate::routes::Routes;
+use crate::routes::{Captures, Route, Routes};
 use crate::upstream::Upstream;
 
 #[derive(Clone)]
@@ -104,18 +103,8 @@ impl Proxy {
                     .dialect
                     .not_a_write(req.uri().query(), req.headers(), &captures.session) =>
             {
-                let _in_flight = inner.metrics.write_in_flight();
-                let (parts, body) = req.into_parts();
-                let res = match request::parse(route, &captures, &parts, body, inner.max_body).await {
-                    Ok(write) => {
-                        let (session, turn, started) = (write.session.to_string(), write.turn, Instant::now());
-                        let answer = inner.pipeline.submit(write).await;
-                        log_write(route.name, &session, turn, &answer, started);
-                        dialect::answer(route.dialect, &captures, answer)
-                    }
-                    Err(refusal) => dialect::refusal(route.dialect, refusal),
-                };
-                (route.name, res)
+                // Boxed: a forwarded request's future does not carry a write's state.
+                (route.name, Box::pin(self.write(route, captures, req)).await)
             }
             Ok(_) => ("forward", self.forward(req, peer).await),
             Err(ambiguous) => (
@@ -125,6 +114,22 @@ impl Proxy {
         };
         res.extensions_mut().insert(RouteName(route_name));
         res
+    }
+
+    /// A write on `route`: parsed, then through the write pipeline.
+    async fn write(&self, route: &Route, captures: Captures, req: Request<Body>) -> Response<Body> {
+        let inner = &self.inner;
+        let _in_flight = inner.metrics.write_in_flight();
+        let (parts, body) = req.into_parts();
+        match request::parse(route, &captures, &parts, body, inner.max_body).await {
+            Ok(write) => {
+                let (session, turn, started) = (write.session.to_string(), write.turn, Instant::now());
+                let answer = inner.pipeline.submit(write).await;
+                log_write(route.name, &session, turn, &answer, started);
+                dialect::answer(route.dialect, &captures, answer)
+            }
+            Err(refusal) => dialect::refusal(route.dialect, refusal),
+        }
     }
 
     /// Forwards a request as is (streaming both ways), minus hop-by-hop headers and
@@ -153,10 +158,9 @@ impl Proxy {
         parts.headers.remove(crate::upstream::FENCING_TOKEN);
         append_forwarded_for(&mut parts.headers, peer);
         parts.version = http::Version::HTTP_11;
-        let parts = match upstream.sign_forwarded(parts) {
-            Ok(parts) => parts,
-            Err(e) => return EdgeError::Forward(e).into_response(),
-        };
+        if let Err(e) = upstream.sign_forwarded(&mut parts) {
+            return EdgeError::Forward(e).into_response();
+        }
         // A request without a body (most reads) is sent as it is: nothing to report.
         let (req, body_sent) = if http_body::Body::is_end_stream(&body) {
             let sent = futures_util::future::Either::Left(std::future::ready(true));

@@ -115,11 +115,11 @@ pub(super) async fn serialize_one(
     *req.headers_mut() = headers;
     // Signed by turnlock when it signs for this store, as a passed-through request is: the
     // client's signature names the sidecar, not the store.
-    let (parts, req_body) = req.into_parts();
-    let req = match s.upstream.sign_forwarded(parts) {
-        Ok(parts) => Request::from_parts(parts, req_body),
-        Err(e) => return (Answer::from(WriteError::Upstream(e)), Some(Settled::Unchanged)),
-    };
+    let (mut parts, req_body) = req.into_parts();
+    if let Err(e) = s.upstream.sign_forwarded(&mut parts) {
+        return (Answer::from(WriteError::Upstream(e)), Some(Settled::Unchanged));
+    }
+    let req = Request::from_parts(parts, req_body);
     let started = Instant::now();
     let result = match s.upstream.send(req).await {
         Ok(res) => {
