@@ -40,14 +40,20 @@ const SESSIONS_PER_WRITER: u64 = 8;
 const READ_DOC_MESSAGES: usize = 20;
 /// Hard cap on one worker's operations in a phase, whatever its duration.
 const MAX_OPS_PER_WORKER: u64 = 1_000_000;
-/// Rounds of `wrk` through the proxy and through nginx, alternated (see `wrk::alternate`).
+/// Rounds of `wrk` through the proxies and through nginx, in turn (see `wrk::alternate`).
 const PASS_ROUNDS: usize = 3;
+
+/// A `wrk` run's figures, its failure logged.
+fn ok_or_warn(run: Result<super::wrk::WrkRun, String>) -> Option<super::wrk::WrkRun> {
+    run.map_err(|error| tracing::warn!(%error, "wrk run failed")).ok()
+}
 /// Most attempts one hot-session write makes (busy answers are retried).
 const MAX_ATTEMPTS: u32 = 1_000;
 
 /// Redis, the store and the proxies, killed when dropped (proxies first: fields drop in
 /// order).
 pub struct Rig {
+    exe: std::path::PathBuf,
     proxies: Vec<Child>,
     store: Child,
     /// Stopped last.
@@ -62,11 +68,12 @@ impl Rig {
         let store = procs::store(exe).await?;
         let mut started = Vec::with_capacity(proxies);
         for n in 0..proxies {
-            started.push(procs::proxy(exe, n, store.addr, redis.addr).await?);
+            started.push(procs::proxy(exe, n, store.addr, redis.addr, None).await?);
         }
         let redis_conn = RedisConn::open(&format!("redis://{}", redis.addr), Duration::from_secs(2))
             .map_err(|e| BenchError::Start(e.to_string()))?;
         Ok(Self {
+            exe: exe.to_path_buf(),
             redis,
             store,
             proxies: started,
@@ -141,6 +148,9 @@ impl Rig {
         if !wrk_installed {
             tracing::warn!("{wrk} not found: pass-through figures from the benchmark's own client only");
         }
+        // A proxy on one worker thread beside the default one: nginx runs one worker.
+        let one_thread = procs::proxy(&self.exe, self.proxies.len(), self.store.addr, self.redis.addr, Some(1)).await?;
+        let one_thread_url = format!("http://{}{path}", one_thread.addr);
         let mut rows = Vec::new();
         for &c in &plan.pass_levels {
             let direct_url = format!("{}{path}", self.store_url());
@@ -152,24 +162,24 @@ impl Rig {
                 Some(url) => Some(get_loop(plan, c, url).await),
                 None => None,
             };
-            let (wrk_direct, wrk_proxy, wrk_nginx) = if wrk_installed {
-                let d = super::wrk::run(wrk, &direct_url, c, plan.measure).await;
-                let (p, n) =
-                    super::wrk::alternate(wrk, &proxy_url, nginx_url.as_deref(), c, plan.measure, PASS_ROUNDS).await;
-                for e in [
-                    d.as_ref().err(),
-                    p.as_ref().err(),
-                    n.as_ref().and_then(|n| n.as_ref().err()),
+            let (mut wrk_direct, mut wrk_proxy, mut wrk_one_thread, mut wrk_nginx) = (None, None, None, None);
+            if wrk_installed {
+                wrk_direct = ok_or_warn(super::wrk::run(wrk, &direct_url, c, plan.measure).await);
+                let urls: Vec<&str> = [
+                    Some(proxy_url.as_str()),
+                    Some(one_thread_url.as_str()),
+                    nginx_url.as_deref(),
                 ]
                 .into_iter()
                 .flatten()
-                {
-                    tracing::warn!(error = %e, "wrk run failed");
-                }
-                (d.ok(), p.ok(), n.and_then(Result::ok))
-            } else {
-                (None, None, None)
-            };
+                .collect();
+                let mut runs = super::wrk::alternate(wrk, &urls, c, plan.measure, PASS_ROUNDS)
+                    .await
+                    .into_iter();
+                wrk_proxy = runs.next().and_then(ok_or_warn);
+                wrk_one_thread = runs.next().and_then(ok_or_warn);
+                wrk_nginx = runs.next().and_then(ok_or_warn);
+            }
             rows.push(PassRow {
                 concurrency: c,
                 direct,
@@ -177,6 +187,7 @@ impl Rig {
                 nginx: nginx_stats,
                 wrk_direct,
                 wrk_proxy,
+                wrk_proxy_one_thread: wrk_one_thread,
                 wrk_nginx,
             });
         }

@@ -88,8 +88,25 @@ impl Child {
     }
 }
 
+/// How long a process asked to stop (`SIGTERM`) may take before it is killed.
+const STOP_WITHIN: Duration = Duration::from_secs(3);
+
 impl Drop for Child {
+    /// Asks the process to stop (nginx's master then stops its workers, which a `SIGKILL` of
+    /// the master would leave running), and kills it if it has not within [`STOP_WITHIN`].
     fn drop(&mut self) {
+        let pid = libc::pid_t::try_from(self.child.id()).unwrap_or(0);
+        let asked = pid > 0
+            && matches!(self.child.try_wait(), Ok(None))
+            // SAFETY: `kill` takes no pointer; the pid is our own child's, not yet reaped.
+            && unsafe { libc::kill(pid, libc::SIGTERM) } == 0;
+        let until = std::time::Instant::now() + STOP_WITHIN;
+        while asked && std::time::Instant::now() < until {
+            if !matches!(self.child.try_wait(), Ok(None)) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
         if let Some(dir) = &self.scratch {
@@ -160,11 +177,18 @@ pub async fn store(exe: &Path) -> Result<Child, BenchError> {
     Child::spawn("store", exe, &args, addr).await
 }
 
-/// Starts `turnlock proxy` in front of `store`, with its locks in `redis`.
-pub async fn proxy(exe: &Path, n: usize, store: SocketAddr, redis: SocketAddr) -> Result<Child, BenchError> {
+/// Starts `turnlock proxy` in front of `store`, with its locks in `redis`, on `threads`
+/// worker threads (its default when `None`).
+pub async fn proxy(
+    exe: &Path,
+    n: usize,
+    store: SocketAddr,
+    redis: SocketAddr,
+    threads: Option<usize>,
+) -> Result<Child, BenchError> {
     let addr = free_addr()?;
     let admin = free_addr()?;
-    let args = vec![
+    let mut args = vec![
         "proxy".into(),
         "--listen".into(),
         addr.to_string(),
@@ -175,6 +199,9 @@ pub async fn proxy(exe: &Path, n: usize, store: SocketAddr, redis: SocketAddr) -
         "--redis".into(),
         format!("redis://{redis}"),
     ];
+    if let Some(threads) = threads {
+        args.extend(["--worker-threads".into(), threads.to_string()]);
+    }
     let mut child = Child::spawn(&format!("proxy {n}"), exe, &args, addr).await?;
     child.admin = Some(admin);
     Ok(child)

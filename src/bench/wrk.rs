@@ -34,34 +34,24 @@ pub async fn run(program: &str, url: &str, connections: usize, duration: Duratio
     parse(&text, connections).ok_or_else(|| format!("unexpected {program} output: {text}"))
 }
 
-/// `wrk` on `a` and `b` (when given) in alternating rounds (`a b`, `b a`, `a b`, …), so that
-/// a change in the machine's load during the phase falls on both: throughput is the mean of
-/// the rounds, latency percentiles their median.
+/// `wrk` on each of `urls` in rounds whose order rotates (`a b c`, `b c a`, `c a b`, …), so
+/// that a change in the machine's load during the phase falls on all of them: per URL,
+/// throughput is the mean of its rounds, latency percentiles their median.
 pub async fn alternate(
     program: &str,
-    a: &str,
-    b: Option<&str>,
+    urls: &[&str],
     connections: usize,
     duration: Duration,
     rounds: usize,
-) -> (Result<WrkRun, String>, Option<Result<WrkRun, String>>) {
-    let (mut runs_a, mut runs_b) = (Vec::new(), Vec::new());
+) -> Vec<Result<WrkRun, String>> {
+    let mut runs: Vec<Vec<Result<WrkRun, String>>> = urls.iter().map(|_| Vec::new()).collect();
     for round in 0..rounds.max(1) {
-        let order = if round % 2 == 0 {
-            [a, b.unwrap_or("")]
-        } else {
-            [b.unwrap_or(""), a]
-        };
-        for url in order.into_iter().filter(|u| !u.is_empty()) {
-            let run = run(program, url, connections, duration).await;
-            if url == a {
-                runs_a.push(run);
-            } else {
-                runs_b.push(run);
-            }
+        for k in 0..urls.len() {
+            let i = (round + k) % urls.len();
+            runs[i].push(run(program, urls[i], connections, duration).await);
         }
     }
-    (combine(runs_a), b.map(|_| combine(runs_b)))
+    runs.into_iter().map(combine).collect()
 }
 
 fn combine(runs: Vec<Result<WrkRun, String>>) -> Result<WrkRun, String> {
