@@ -162,11 +162,13 @@ impl Proxy {
             return EdgeError::Forward(e).into_response();
         }
         // A request without a body (most reads) is sent as it is: nothing to report.
+        let mut client_failed = None;
         let (req, body_sent) = if http_body::Body::is_end_stream(&body) {
             let sent = futures_util::future::Either::Left(std::future::ready(true));
             (Request::from_parts(parts, body), sent)
         } else {
             let (body, sent) = passthrough::Reported::new(body, upstream.timeout());
+            client_failed = Some(body.client_failed());
             (
                 Request::from_parts(parts, body.boxed()),
                 futures_util::future::Either::Right(sent),
@@ -185,6 +187,15 @@ impl Proxy {
                     passthrough::keep_upgrade(&mut parts.headers, protocol);
                 }
                 Response::from_parts(parts, body.map_err(Into::into).boxed())
+            }
+            // The client's body broke (a bad chunk, a cut connection): its request, not the
+            // store, failed; neither answered nor counted as store trouble.
+            Err(e) if client_failed.is_some_and(|f| f.load(std::sync::atomic::Ordering::Relaxed)) => {
+                EdgeError::Invalid {
+                    code: "body_read_failed",
+                    message: format!("could not read the request body: {e}"),
+                }
+                .into_response()
             }
             Err(e) => {
                 let code = e.code();
@@ -242,11 +253,26 @@ fn log_write(route: &str, session: &str, turn: u64, answer: &answer::Answer, sta
     }
 }
 
+/// Appends the agent's address to `X-Forwarded-For`: every prior hop kept, from all the
+/// header's lines, as their bytes came (not only valid UTF-8).
 fn append_forwarded_for(headers: &mut http::HeaderMap, peer: SocketAddr) {
     let ip = peer.ip();
-    let value = match headers.get("x-forwarded-for").and_then(|v| v.to_str().ok()) {
-        Some(prior) if !prior.is_empty() => HeaderValue::from_str(&format!("{prior}, {ip}")).ok(),
-        _ => Some(forwarded_ip(ip)),
+    let mut prior = headers
+        .get_all("x-forwarded-for")
+        .iter()
+        .map(HeaderValue::as_bytes)
+        .filter(|v| !v.iter().all(u8::is_ascii_whitespace));
+    let value = match (prior.next(), prior.next()) {
+        (None, _) => Some(forwarded_ip(ip)),
+        (Some(first), second) => {
+            let mut joined = first.to_vec();
+            for hop in second.into_iter().chain(prior) {
+                joined.extend_from_slice(b", ");
+                joined.extend_from_slice(hop);
+            }
+            joined.extend_from_slice(format!(", {ip}").as_bytes());
+            HeaderValue::from_bytes(&joined).ok()
+        }
     };
     if let Some(v) = value {
         headers.insert("x-forwarded-for", v);

@@ -20,6 +20,8 @@ pub struct Reported {
     /// When the last frame was handed over and not yet followed by another poll: the store's
     /// side is not taking more. `None` while waiting for the client.
     handed: Arc<Mutex<Option<Instant>>>,
+    /// The client's body failed (a broken chunk, a connection cut mid-body).
+    client_failed: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Reported {
@@ -32,6 +34,7 @@ impl Reported {
             inner,
             done: Some(tx),
             handed: handed.clone(),
+            client_failed: Arc::default(),
         };
         if body.inner.is_end_stream() {
             body.finish();
@@ -51,6 +54,11 @@ impl Reported {
             }
         };
         (body, sent)
+    }
+
+    /// Set once the client's body failed: a failed forward is then the client's doing.
+    pub fn client_failed(&self) -> Arc<std::sync::atomic::AtomicBool> {
+        self.client_failed.clone()
     }
 
     fn finish(&mut self) {
@@ -75,7 +83,11 @@ impl HttpBody for Reported {
         *lock(&self.handed) = None;
         let polled = Pin::new(&mut self.inner).poll_frame(cx);
         match &polled {
-            Poll::Ready(None) | Poll::Ready(Some(Err(_))) => self.finish(),
+            Poll::Ready(Some(Err(_))) => {
+                self.client_failed.store(true, std::sync::atomic::Ordering::Relaxed);
+                self.finish();
+            }
+            Poll::Ready(None) => self.finish(),
             Poll::Ready(Some(Ok(_))) if self.inner.is_end_stream() => self.finish(),
             Poll::Ready(Some(Ok(_))) => *lock(&self.handed) = Some(Instant::now()),
             Poll::Pending => {}
