@@ -21,15 +21,6 @@ struct Raw {
     text: String,
 }
 
-/// Sends raw bytes and reads everything until the server closes (or 15 s pass).
-async fn send_raw(addr: SocketAddr, bytes: &[u8]) -> String {
-    let mut s = TcpStream::connect(addr).await.expect("connect");
-    s.write_all(bytes).await.expect("send");
-    let mut out = Vec::new();
-    let _ = tokio::time::timeout(Duration::from_secs(15), s.read_to_end(&mut out)).await;
-    String::from_utf8_lossy(&out).into_owned()
-}
-
 /// Every response in `text`, in order.
 fn responses(text: &str) -> Vec<Raw> {
     text.split("HTTP/1.")

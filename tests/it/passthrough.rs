@@ -293,58 +293,35 @@ async fn a_websocket_upgrade_is_passed_through_and_bytes_flow_both_ways() {
 
 /// A store that answers with the `X-Forwarded-For` it was sent.
 async fn forwarded_for_store() -> SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    tokio::spawn(async move {
-        loop {
-            let Ok((stream, _)) = listener.accept().await else {
-                return;
-            };
-            tokio::spawn(async move {
-                let svc = hyper::service::service_fn(move |req: Request<Incoming>| async move {
-                    let xff: Vec<String> = req
-                        .headers()
-                        .get_all("x-forwarded-for")
-                        .iter()
-                        .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
-                        .collect();
-                    Ok::<_, Infallible>(Response::new(Full::new(Bytes::from(xff.join(" | ")))))
-                });
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
-                    .await;
-            });
-        }
-    });
-    addr
-}
-
-/// Sends `raw` on a fresh connection and reads until the peer closes or 2 s pass.
-async fn exchange(addr: SocketAddr, raw: &[u8]) -> String {
-    let mut stream = TcpStream::connect(addr).await.expect("connect");
-    stream.write_all(raw).await.expect("write");
-    let mut out = Vec::new();
-    let _ = tokio::time::timeout(Duration::from_secs(2), stream.read_to_end(&mut out)).await;
-    String::from_utf8_lossy(&out).into_owned()
+    serve(|req: Request<Incoming>| async move {
+        let xff: Vec<String> = req
+            .headers()
+            .get_all("x-forwarded-for")
+            .iter()
+            .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+            .collect();
+        Response::new(Full::new(Bytes::from(xff.join(" | "))))
+    })
+    .await
 }
 
 #[tokio::test]
 async fn every_prior_forwarded_for_hop_is_kept() {
     let proxy = proxy(proxy_args(forwarded_for_store().await, None)).await;
-    let answer = exchange(
+    let answer = send_raw(
         proxy.addr,
         b"GET /x HTTP/1.1\r\nhost: s\r\nx-forwarded-for: 1.1.1.1\r\nx-forwarded-for: 2.2.2.2\r\nconnection: close\r\n\r\n",
     )
     .await;
     assert!(answer.ends_with("1.1.1.1, 2.2.2.2, 127.0.0.1"), "{answer}");
-    let answer = exchange(proxy.addr, b"GET /x HTTP/1.1\r\nhost: s\r\nconnection: close\r\n\r\n").await;
+    let answer = send_raw(proxy.addr, b"GET /x HTTP/1.1\r\nhost: s\r\nconnection: close\r\n\r\n").await;
     assert!(answer.ends_with("\r\n\r\n127.0.0.1"), "{answer}");
 }
 
 #[tokio::test]
 async fn a_broken_client_body_is_the_clients_error_not_the_stores() {
     let proxy = proxy(proxy_args(counting_store(Duration::ZERO).await, None)).await;
-    let answer = exchange(
+    let answer = send_raw(
         proxy.addr,
         b"POST /uploads/a HTTP/1.1\r\nhost: s\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\nzz\r\nabc\r\n0\r\n\r\n",
     )

@@ -538,3 +538,14 @@ pub fn metric(text: &str, name: &str) -> f64 {
         .find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse().ok()))
         .unwrap_or(0.0)
 }
+
+/// Sends raw bytes on a new connection and reads everything until the server closes (or 15 s
+/// pass).
+pub async fn send_raw(addr: SocketAddr, bytes: &[u8]) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    s.write_all(bytes).await.expect("send");
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(15), s.read_to_end(&mut out)).await;
+    String::from_utf8_lossy(&out).into_owned()
+}
