@@ -9,6 +9,7 @@
 //! never written to a connection is retried by the client itself; one that may have been
 //! sent is not (its outcome is unknown).
 
+mod connect;
 mod document;
 mod error;
 mod pool;
@@ -23,16 +24,16 @@ pub use self::sigv4::{SignError, Signer};
 pub use self::store_parts::StoreParts;
 pub use self::web_identity::{StsError, WebIdentity, WebIdentityConfig};
 
+use std::future::Future;
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures_util::FutureExt as _;
 use http::header::{self, HeaderValue};
 use http::{Method, Request, Response, Uri};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::{TokioExecutor, TokioTimer};
 use tokio::time::Instant;
 
 use crate::http::Body;
@@ -68,9 +69,7 @@ impl Default for PoolSettings {
 
 #[derive(Clone)]
 pub struct Upstream {
-    client: Client<pool::CappedConnector, Body>,
-    /// The same connector without keeping idle connections: a retry gets a fresh one.
-    fresh: Client<pool::CappedConnector, Body>,
+    pool: pool::Pool,
     scheme: http::uri::Scheme,
     authority: http::uri::Authority,
     base_path: String,
@@ -123,21 +122,19 @@ impl Upstream {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(timeout));
-        let mut connector = pool::CappedConnector::new(connector, pool.max_connections);
+        let mut connector = connect::CappedConnector::new(connector, pool.max_connections);
         if https {
             connector = connector.with_tls(tls::tls_config(ca).map_err(|e| format!("upstream URL {base:?}: {e}"))?);
         }
-        let client = Client::builder(TokioExecutor::new())
-            .pool_timer(TokioTimer::new())
-            .pool_idle_timeout(pool.idle_timeout)
-            .pool_max_idle_per_host(pool.max_connections)
-            .build(connector.clone());
-        let fresh = Client::builder(TokioExecutor::new())
-            .pool_max_idle_per_host(0)
-            .build(connector);
+        let dst = Uri::builder()
+            .scheme(scheme.clone())
+            .authority(authority.clone())
+            .path_and_query("/")
+            .build()
+            .map_err(|e| format!("upstream URL {base:?}: {e}"))?;
+        let pool = pool::Pool::new(connector, dst, pool.idle_timeout)?;
         Ok(Self {
-            client,
-            fresh,
+            pool,
             scheme,
             authority,
             base_path: uri.path().trim_end_matches('/').to_owned(),
@@ -233,9 +230,12 @@ impl Upstream {
     }
 
     /// Sends a request, waiting at most the timeout for the response head. The body streams.
-    pub async fn send(&self, mut req: Request<Body>) -> Result<Response<Incoming>, UpstreamError> {
+    pub fn send(
+        &self,
+        mut req: Request<Body>,
+    ) -> impl Future<Output = Result<Response<Incoming>, UpstreamError>> + Send + '_ {
         self.add_headers(&mut req);
-        Self::timed(&self.client, self.timeout, req).await
+        Self::timed(self.pool.send(req), self.timeout)
     }
 
     /// Like [`Upstream::send`], and a bodiless GET, HEAD or OPTIONS that failed without any
@@ -254,7 +254,7 @@ impl Upstream {
                 tracing::debug!(error = %first, "store connection failed before an answer; retrying on a fresh one");
                 self.metrics.upstream_retry();
                 self.add_headers(&mut again);
-                Self::timed(&self.fresh, left, again).await
+                Self::timed(self.pool.send_fresh(again), left).await
             }
             other => other,
         }
@@ -282,16 +282,13 @@ impl Upstream {
         self.metrics.upstream_response(op, status);
     }
 
-    async fn timed(
-        client: &Client<pool::CappedConnector, Body>,
-        timeout: Duration,
-        req: Request<Body>,
-    ) -> Result<Response<Incoming>, UpstreamError> {
-        match tokio::time::timeout(timeout, client.request(req)).await {
-            Err(_) => Err(UpstreamError::Timeout(timeout)),
-            Ok(Err(e)) => Err(UpstreamError::from_client(&e)),
-            Ok(Ok(res)) => Ok(res),
-        }
+    /// `sent`, given up after `timeout`. Not an `async fn`: the future it returns holds
+    /// `sent` once, not twice (an `async fn` keeps its arguments beside what it awaits).
+    fn timed<F>(sent: F, timeout: Duration) -> impl Future<Output = Result<Response<Incoming>, UpstreamError>>
+    where
+        F: Future<Output = Result<Response<Incoming>, UpstreamError>>,
+    {
+        tokio::time::timeout(timeout, sent).map(move |r| r.unwrap_or(Err(UpstreamError::Timeout(timeout))))
     }
 
     /// Sends a request whose body streams from the client. The timeout bounds the wait for
@@ -305,19 +302,15 @@ impl Upstream {
         body_sent: impl std::future::Future<Output = bool>,
     ) -> Result<Response<Incoming>, UpstreamError> {
         self.add_headers(&mut req);
-        let res = self.client.request(req);
+        let res = self.pool.send(req);
         tokio::pin!(res);
         tokio::select! {
-            r = &mut res => return r.map_err(|e| UpstreamError::from_client(&e)),
+            r = &mut res => return r,
             sent = body_sent => if !sent {
                 return Err(UpstreamError::Timeout(self.timeout));
             }
         }
-        match tokio::time::timeout(self.timeout, res).await {
-            Err(_) => Err(UpstreamError::Timeout(self.timeout)),
-            Ok(Err(e)) => Err(UpstreamError::from_client(&e)),
-            Ok(Ok(res)) => Ok(res),
-        }
+        Self::timed(res, self.timeout).await
     }
 
     /// Reads a whole response body, within the timeout and the size limit.
@@ -340,7 +333,8 @@ impl Upstream {
         else {
             return false;
         };
-        match self.send(req).await {
+        // As a read is sent: a pooled connection the store has closed is not an outage.
+        match self.send_safe(req).await {
             Ok(res) => {
                 let _ = self.body(res).await;
                 true

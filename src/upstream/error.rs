@@ -27,15 +27,6 @@ pub enum UpstreamError {
 }
 
 impl UpstreamError {
-    /// A client failure: `NotSent` when no connection could be made, else `Unreachable`.
-    pub(super) fn from_client(e: &hyper_util::client::legacy::Error) -> Self {
-        if e.is_connect() {
-            Self::NotSent(error_chain(e))
-        } else {
-            Self::Unreachable(error_chain(e))
-        }
-    }
-
     /// Whether the write may have landed even though no confirmation came back.
     pub fn outcome_unknown(&self) -> bool {
         matches!(self, Self::Timeout(_) | Self::Unreachable(_))

@@ -1,150 +1,332 @@
-//! A cap on the connections to the store: each connection holds a permit for as long as it
-//! is open, so neither bursts of writers nor slow stores can open more than the cap; a
-//! request past the cap waits (within its timeout) for a connection to come back. An
-//! `https://` store is reached over TLS (rustls), verified against the given roots.
+//! The store's connections: HTTP/1.1 connections to its one address, kept open between
+//! requests and reused most recently used first.
+//!
+//! A request takes an idle connection when one is ready, else opens one while the cap
+//! ([`CappedConnector`]) allows, else waits for whichever comes first: a connection given back
+//! or a free permit. A connection goes back to the idle list as soon as it can take the next
+//! request (for most answers, when the answer's head arrives: its body is already read); one
+//! still streaming its answer's body goes back once that body is read. Idle connections are
+//! closed after the idle timeout by a background timer, and a connection found closed at
+//! checkout is dropped. A request that a reused connection never wrote (the store had closed
+//! it) is sent again on the next connection: nothing was written, so it cannot apply twice.
+//!
+//! One store means one pool key: no per-request hashing of the store's address. Taking an
+//! idle connection is not awaited and allocates nothing; only opening a connection or waiting
+//! for one (a boxed future) does. Every future of the request path is kept small, as each
+//! request's own future holds them and is moved whole more than once.
 
-use std::pin::Pin;
-use std::sync::Arc;
-use std::task::{Context, Poll};
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::time::Duration;
 
-use http::Uri;
-use hyper::rt::{Read, ReadBufCursor, Write};
-use hyper_util::client::legacy::connect::{Connected, Connection, HttpConnector};
-use hyper_util::rt::TokioIo;
-use tokio::net::TcpStream;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use http::header::{self, HeaderValue};
+use http::{Request, Response, Uri};
+use hyper::body::Incoming;
+use hyper::client::conn::http1::{self, SendRequest};
+use tokio::sync::Notify;
+use tokio::time::Instant;
 
-/// Opens TCP connections through [`HttpConnector`], at most `max` open at once; over TLS
-/// when the store's URL is `https://`.
+use super::connect::{CappedConnector, Slot};
+use super::error::error_chain;
+use super::UpstreamError;
+use crate::http::Body;
+
+/// A pool of connections to one store. Clones share the pool.
 #[derive(Clone)]
-pub struct CappedConnector {
-    inner: HttpConnector,
-    permits: Arc<Semaphore>,
-    tls: Option<tokio_rustls::TlsConnector>,
+pub struct Pool {
+    shared: Arc<Shared>,
 }
 
-/// One open connection and its permit (given back when the connection is dropped).
-pub struct CappedIo {
-    io: Io,
-    _permit: OwnedSemaphorePermit,
+struct Shared {
+    connector: CappedConnector,
+    /// The store's scheme and authority, as the connector takes them.
+    dst: Uri,
+    /// The `Host` of a request that names none.
+    host: HeaderValue,
+    /// Ready connections, the most recently used last.
+    idle: Mutex<Vec<Idle>>,
+    idle_timeout: Duration,
+    /// Requests waiting for a connection at the cap, woken by `returned`.
+    waiting: AtomicUsize,
+    returned: Notify,
+    reaper_started: AtomicBool,
 }
 
-enum Io {
-    Plain(TokioIo<TcpStream>),
-    Tls(Box<TokioIo<tokio_rustls::client::TlsStream<TcpStream>>>),
+struct Idle {
+    tx: SendRequest<Body>,
+    slot: Slot,
+    since: Instant,
 }
 
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
-
-// === impl CappedConnector ===
-
-impl CappedConnector {
-    pub fn new(inner: HttpConnector, max: usize) -> Self {
-        Self {
-            inner,
-            permits: Arc::new(Semaphore::new(max.max(1))),
-            tls: None,
-        }
-    }
-
-    /// The same, reaching `https://` stores over TLS with `config`.
-    pub fn with_tls(mut self, config: Arc<rustls::ClientConfig>) -> Self {
-        self.inner.enforce_http(false);
-        self.tls = Some(tokio_rustls::TlsConnector::from(config));
-        self
-    }
+/// A connection taken from the pool or just opened.
+struct Taken {
+    tx: SendRequest<Body>,
+    slot: Slot,
+    reused: bool,
 }
 
-impl tower::Service<Uri> for CappedConnector {
-    type Response = CappedIo;
-    type Error = BoxError;
-    type Future = Pin<Box<dyn std::future::Future<Output = Result<CappedIo, BoxError>> + Send>>;
+// === impl Pool ===
 
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx).map_err(Into::into)
-    }
-
-    fn call(&mut self, dst: Uri) -> Self::Future {
-        let permits = self.permits.clone();
-        let mut inner = self.inner.clone();
-        let tls = self.tls.clone();
-        Box::pin(async move {
-            let permit = permits.acquire_owned().await?;
-            let https = dst.scheme() == Some(&http::uri::Scheme::HTTPS);
-            let host = dst.host().unwrap_or_default().trim_matches(['[', ']']).to_owned();
-            let io = tower::Service::call(&mut inner, dst).await?;
-            let io = match (https, tls) {
-                (false, _) => Io::Plain(io),
-                (true, Some(tls)) => {
-                    let name = rustls_pki_types::ServerName::try_from(host)?;
-                    let stream = tls.connect(name, io.into_inner()).await?;
-                    Io::Tls(Box::new(TokioIo::new(stream)))
-                }
-                (true, None) => return Err("an https:// store needs TLS settings".into()),
-            };
-            Ok(CappedIo { io, _permit: permit })
+impl Pool {
+    /// A pool of connections to `dst` (`scheme://authority`), opened by `connector`.
+    pub fn new(connector: CappedConnector, dst: Uri, idle_timeout: Duration) -> Result<Self, String> {
+        let authority = dst.authority().ok_or_else(|| format!("store URL {dst} has no host"))?;
+        // The authority as written, without a scheme's default port (as clients send it).
+        let default_port = match dst.scheme_str() {
+            Some("https") => 443,
+            _ => 80,
+        };
+        let host = match authority.port_u16() {
+            Some(port) if port == default_port => authority.host().to_owned(),
+            _ => authority.as_str().to_owned(),
+        };
+        let host = HeaderValue::from_str(&host).map_err(|e| format!("store URL {dst}: {e}"))?;
+        Ok(Self {
+            shared: Arc::new(Shared {
+                connector,
+                dst,
+                host,
+                idle: Mutex::new(Vec::new()),
+                idle_timeout,
+                waiting: AtomicUsize::new(0),
+                returned: Notify::new(),
+                reaper_started: AtomicBool::new(false),
+            }),
         })
     }
-}
 
-// === impl CappedIo ===
-
-impl Connection for CappedIo {
-    fn connected(&self) -> Connected {
-        match &self.io {
-            Io::Plain(io) => io.connected(),
-            Io::Tls(_) => Connected::new(),
-        }
+    /// Sends `req` (its URI absolute or origin-form) on a pooled connection and waits for the
+    /// answer's head. A reused connection found closed before it wrote the request is passed
+    /// over for the next one.
+    pub fn send(
+        &self,
+        req: Request<Body>,
+    ) -> impl Future<Output = Result<Response<Incoming>, UpstreamError>> + Send + '_ {
+        self.send_on(None, req)
     }
-}
 
-/// Delegates one I/O call to the plain or the TLS stream.
-macro_rules! delegate {
-    ($self:ident, $io:ident => $call:expr) => {
-        match &mut $self.get_mut().io {
-            Io::Plain($io) => {
-                let $io = Pin::new($io);
-                $call
+    /// Like [`Pool::send`], on a connection opened for this request (one that cannot be
+    /// stale), given to the pool afterwards.
+    pub async fn send_fresh(&self, req: Request<Body>) -> Result<Response<Incoming>, UpstreamError> {
+        let permit = match self.shared.connector.try_permit() {
+            Some(permit) => permit,
+            // At the cap: an idle connection is closed to make room, or one comes back.
+            None => match self.take_idle() {
+                Some(idle) => {
+                    drop(idle);
+                    self.shared.connector.permit().await.map_err(|e| not_sent(&*e))?
+                }
+                None => return self.send(req).await,
+            },
+        };
+        let conn = Box::pin(self.open(permit)).await?;
+        self.send_on(Some(conn), req).await
+    }
+
+    /// Sends `req` on `conn`, or on a connection from the pool. The futures of this path are
+    /// kept small (a request's own future holds them): taking an idle connection is not
+    /// awaited, and opening one or waiting for one is boxed.
+    async fn send_on(&self, conn: Option<Taken>, mut req: Request<Body>) -> Result<Response<Incoming>, UpstreamError> {
+        self.prepare(&mut req);
+        let mut conn = match conn.or_else(|| self.take_idle()) {
+            Some(conn) => conn,
+            None => Box::pin(self.open_or_wait()).await?,
+        };
+        loop {
+            let mut failed = match conn.tx.try_send_request(req).await {
+                Ok(res) => {
+                    if res.status() == http::StatusCode::SWITCHING_PROTOCOLS {
+                        // A tunnel now: no longer one of the store connections requests share.
+                        conn.slot.release();
+                    } else {
+                        self.give_back(conn.tx, conn.slot);
+                    }
+                    return Ok(res);
+                }
+                Err(failed) => failed,
+            };
+            let unsent = failed.take_message();
+            let error = failed.into_error();
+            match unsent {
+                Some(unsent) if conn.reused => {
+                    tracing::debug!(error = %error, "pooled store connection closed before the request was written; using another");
+                    req = unsent;
+                    conn = match self.take_idle() {
+                        Some(conn) => conn,
+                        None => Box::pin(self.open_or_wait()).await?,
+                    };
+                }
+                Some(_) => return Err(UpstreamError::NotSent(error_chain(&error))),
+                None => return Err(UpstreamError::Unreachable(error_chain(&error))),
             }
-            Io::Tls($io) => {
-                let $io = Pin::new($io.as_mut());
-                $call
+        }
+    }
+
+    /// Names the store in `Host` when the request names none, and puts its URI in origin
+    /// form (the path and query only), as a request to a server (not a proxy) is written.
+    fn prepare(&self, req: &mut Request<Body>) {
+        if !req.headers().contains_key(header::HOST) {
+            req.headers_mut().insert(header::HOST, self.shared.host.clone());
+        }
+        if req.uri().scheme().is_some() || req.uri().authority().is_some() {
+            let mut parts = http::uri::Parts::default();
+            parts.path_and_query = req.uri().path_and_query().cloned();
+            if let Ok(uri) = Uri::from_parts(parts) {
+                *req.uri_mut() = uri;
             }
         }
-    };
-}
-
-impl Read for CappedIo {
-    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: ReadBufCursor<'_>) -> Poll<std::io::Result<()>> {
-        delegate!(self, io => io.poll_read(cx, buf))
-    }
-}
-
-impl Write for CappedIo {
-    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
-        delegate!(self, io => io.poll_write(cx, buf))
     }
 
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        delegate!(self, io => io.poll_flush(cx))
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        delegate!(self, io => io.poll_shutdown(cx))
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        match &self.io {
-            Io::Plain(io) => io.is_write_vectored(),
-            Io::Tls(io) => io.is_write_vectored(),
+    /// A new connection while the cap allows, else the first given back (or a permit freed
+    /// by a connection that closed).
+    async fn open_or_wait(&self) -> Result<Taken, UpstreamError> {
+        loop {
+            if let Some(conn) = self.take_idle() {
+                return Ok(conn);
+            }
+            if let Some(permit) = self.shared.connector.try_permit() {
+                return self.open(permit).await;
+            }
+            let returned = self.shared.returned.notified();
+            tokio::pin!(returned);
+            returned.as_mut().enable();
+            let _waiting = Waiting::new(&self.shared.waiting);
+            // Given back between the look above and the registration: taken now.
+            if let Some(conn) = self.take_idle() {
+                return Ok(conn);
+            }
+            tokio::select! {
+                permit = self.shared.connector.permit() => {
+                    let permit = permit.map_err(|e| not_sent(&*e))?;
+                    return self.open(permit).await;
+                }
+                () = &mut returned => {}
+            }
         }
     }
 
-    fn poll_write_vectored(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[std::io::IoSlice<'_>],
-    ) -> Poll<std::io::Result<usize>> {
-        delegate!(self, io => io.poll_write_vectored(cx, bufs))
+    /// The most recently used idle connection that is still open and within its idle time.
+    fn take_idle(&self) -> Option<Taken> {
+        let mut idle = self.shared.idle.lock().unwrap_or_else(PoisonError::into_inner);
+        while let Some(entry) = idle.pop() {
+            if entry.tx.is_ready() && entry.since.elapsed() < self.shared.idle_timeout {
+                return Some(Taken {
+                    tx: entry.tx,
+                    slot: entry.slot,
+                    reused: true,
+                });
+            }
+        }
+        None
     }
+
+    /// Opens a connection under `permit` and starts its task.
+    async fn open(&self, permit: tokio::sync::OwnedSemaphorePermit) -> Result<Taken, UpstreamError> {
+        let io = self
+            .shared
+            .connector
+            .connect_with(permit, self.shared.dst.clone())
+            .await
+            .map_err(|e| not_sent(&*e))?;
+        let slot = io.slot();
+        let (tx, conn) = http1::Builder::new().handshake(io).await.map_err(|e| not_sent(&e))?;
+        tokio::spawn(async move {
+            // With upgrades: a WebSocket answer (101) hands the connection to the tunnel.
+            if let Err(e) = conn.with_upgrades().await {
+                tracing::debug!(error = %error_chain(&e), "store connection ended");
+            }
+        });
+        Ok(Taken {
+            tx,
+            slot,
+            reused: false,
+        })
+    }
+
+    /// Returns a connection after its answer's head: to the idle list now if it can take the
+    /// next request, else once it can (its answer's body still streaming).
+    fn give_back(&self, mut tx: SendRequest<Body>, slot: Slot) {
+        if tx.is_ready() {
+            self.park(tx, slot);
+        } else if !tx.is_closed() {
+            let pool = self.clone();
+            tokio::spawn(async move {
+                if tx.ready().await.is_ok() {
+                    pool.park(tx, slot);
+                }
+            });
+        }
+    }
+
+    fn park(&self, tx: SendRequest<Body>, slot: Slot) {
+        self.start_reaper();
+        let since = Instant::now();
+        self.shared
+            .idle
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(Idle { tx, slot, since });
+        if self.shared.waiting.load(Ordering::SeqCst) > 0 {
+            self.shared.returned.notify_waiters();
+        }
+    }
+
+    /// Starts the timer that closes idle connections past the idle timeout (once per pool,
+    /// on the runtime that first gives a connection back). It ends with the pool.
+    fn start_reaper(&self) {
+        if self.shared.reaper_started.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        let period = (self.shared.idle_timeout / 2).max(Duration::from_millis(10));
+        let shared: Weak<Shared> = Arc::downgrade(&self.shared);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(period);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let Some(shared) = shared.upgrade() else { return };
+                shared.close_expired();
+            }
+        });
+    }
+}
+
+// === impl Shared ===
+
+impl Shared {
+    /// Closes the idle connections past the idle timeout, and forgets closed ones.
+    fn close_expired(&self) {
+        let expired: Vec<Idle> = {
+            let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
+            let (keep, expired) = std::mem::take(&mut *idle)
+                .into_iter()
+                .partition(|entry| !entry.tx.is_closed() && entry.since.elapsed() < self.idle_timeout);
+            *idle = keep;
+            expired
+        };
+        // Dropped outside the lock: each ends its connection's task, which closes the socket.
+        drop(expired);
+    }
+}
+
+/// Counts a request waiting for a connection while it waits.
+struct Waiting<'a>(&'a AtomicUsize);
+
+impl<'a> Waiting<'a> {
+    fn new(count: &'a AtomicUsize) -> Self {
+        count.fetch_add(1, Ordering::SeqCst);
+        Self(count)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// A failure before anything was written to the store.
+fn not_sent(e: &(dyn std::error::Error + 'static)) -> UpstreamError {
+    UpstreamError::NotSent(error_chain(e))
 }

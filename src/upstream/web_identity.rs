@@ -19,7 +19,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 
-use super::pool::CappedConnector;
+use super::connect::CappedConnector;
 
 /// The longest an STS call may take.
 const STS_TIMEOUT: Duration = Duration::from_secs(10);

@@ -482,6 +482,27 @@ async fn a_store_that_closes_idle_connections_silently_causes_no_502_on_reads() 
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_that_closes_idle_connections_silently_is_not_reported_down() {
+    let tiny = TinyStore::start(true, Duration::ZERO).await;
+    let running = proxy(proxy_args(tiny.addr, None)).await;
+    let store_down = r#"turnlock_dependency_up{dependency="store"} 0"#;
+    let store_up = r#"turnlock_dependency_up{dependency="store"} 1"#;
+    let mut seen_up = false;
+    // Three health checks or more, each after the first on a pooled connection the store
+    // closes when the check arrives on it.
+    for _ in 0..35 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let text = running.metrics.encode();
+        assert!(
+            !text.contains(store_down),
+            "a closed pooled connection was reported as an outage"
+        );
+        seen_up |= text.contains(store_up);
+    }
+    assert!(seen_up, "the store was never checked");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_store_pool_is_capped_and_idle_connections_are_reaped() {
     let tiny = TinyStore::start(false, Duration::from_millis(100)).await;
     let mut args = proxy_args(tiny.addr, None);

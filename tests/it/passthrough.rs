@@ -291,6 +291,36 @@ async fn a_websocket_upgrade_is_passed_through_and_bytes_flow_both_ways() {
     }
 }
 
+#[tokio::test]
+async fn open_websocket_tunnels_do_not_take_the_store_connections_requests_need() {
+    let store = upgrade_echo_server().await;
+    let mut args = proxy_args(store, None);
+    args.upstream_max_connections = 1;
+    args.upstream_timeout_ms = 1000;
+    let proxy = proxy(args).await;
+    let mut tunnels = Vec::new();
+    for n in 0..3 {
+        let (mut client, head) = open_tunnel(proxy.addr).await;
+        assert!(
+            head.starts_with("HTTP/1.1 101"),
+            "tunnel {n} with one store connection allowed: {head}"
+        );
+        assert!(echoes(&mut client, "hello").await, "tunnel {n}");
+        tunnels.push(client);
+    }
+    // A request beside the open tunnels reaches the store (which answers it 426) at once.
+    let mut plain = TcpStream::connect(proxy.addr).await.expect("connect");
+    plain
+        .write_all(b"GET /v1/sessions/s1 HTTP/1.1\r\nhost: store\r\n\r\n")
+        .await
+        .expect("send");
+    let head = read_head(&mut plain).await.expect("answer");
+    assert!(head.starts_with("HTTP/1.1 426"), "{head}");
+    for (n, client) in tunnels.iter_mut().enumerate() {
+        assert!(echoes(client, "still open").await, "tunnel {n}");
+    }
+}
+
 /// A store that answers with the `X-Forwarded-For` it was sent.
 async fn forwarded_for_store() -> SocketAddr {
     serve(|req: Request<Incoming>| async move {

@@ -1,0 +1,189 @@
+//! A cap on the connections to the store: each connection holds a permit for as long as it
+//! is open, so neither bursts of writers nor slow stores can open more than the cap; a
+//! request past the cap waits (within its timeout) for a connection to come back. An
+//! `https://` store is reached over TLS (rustls), verified against the given roots.
+
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll};
+
+use http::Uri;
+use hyper::rt::{Read, ReadBufCursor, Write};
+use hyper_util::client::legacy::connect::{Connected, Connection, HttpConnector};
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+/// Opens TCP connections through [`HttpConnector`], at most `max` open at once; over TLS
+/// when the store's URL is `https://`.
+#[derive(Clone)]
+pub struct CappedConnector {
+    inner: HttpConnector,
+    permits: Arc<Semaphore>,
+    tls: Option<tokio_rustls::TlsConnector>,
+}
+
+/// One open connection and its place under the cap (given back when the connection is
+/// dropped, or earlier through [`Slot::release`]).
+pub struct CappedIo {
+    io: Io,
+    slot: Slot,
+}
+
+/// A connection's place under the cap, shared by the connection and the pool: a connection
+/// handed to a WebSocket tunnel gives its place back, as the tunnel may stay open for hours
+/// and the cap is there for the requests to the store.
+#[derive(Clone)]
+pub struct Slot(Arc<Mutex<Option<OwnedSemaphorePermit>>>);
+
+enum Io {
+    Plain(TokioIo<TcpStream>),
+    Tls(Box<TokioIo<tokio_rustls::client::TlsStream<TcpStream>>>),
+}
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+// === impl CappedConnector ===
+
+impl CappedConnector {
+    pub fn new(inner: HttpConnector, max: usize) -> Self {
+        Self {
+            inner,
+            permits: Arc::new(Semaphore::new(max.max(1))),
+            tls: None,
+        }
+    }
+
+    /// The same, reaching `https://` stores over TLS with `config`.
+    pub fn with_tls(mut self, config: Arc<rustls::ClientConfig>) -> Self {
+        self.inner.enforce_http(false);
+        self.tls = Some(tokio_rustls::TlsConnector::from(config));
+        self
+    }
+
+    /// A permit when one is free right now.
+    pub fn try_permit(&self) -> Option<OwnedSemaphorePermit> {
+        self.permits.clone().try_acquire_owned().ok()
+    }
+
+    /// Waits for a free permit.
+    pub async fn permit(&self) -> Result<OwnedSemaphorePermit, BoxError> {
+        Ok(self.permits.clone().acquire_owned().await?)
+    }
+
+    /// Opens one connection to `dst` under `permit`.
+    pub async fn connect_with(&self, permit: OwnedSemaphorePermit, dst: Uri) -> Result<CappedIo, BoxError> {
+        let https = dst.scheme() == Some(&http::uri::Scheme::HTTPS);
+        let host = dst.host().unwrap_or_default().trim_matches(['[', ']']).to_owned();
+        let io = tower::Service::call(&mut self.inner.clone(), dst).await?;
+        let io = match (https, &self.tls) {
+            (false, _) => Io::Plain(io),
+            (true, Some(tls)) => {
+                let name = rustls_pki_types::ServerName::try_from(host)?;
+                let stream = tls.connect(name, io.into_inner()).await?;
+                Io::Tls(Box::new(TokioIo::new(stream)))
+            }
+            (true, None) => return Err("an https:// store needs TLS settings".into()),
+        };
+        Ok(CappedIo {
+            io,
+            slot: Slot(Arc::new(Mutex::new(Some(permit)))),
+        })
+    }
+}
+
+/// As a connector of hyper-util's client (the web-identity token exchange's).
+impl tower::Service<Uri> for CappedConnector {
+    type Response = CappedIo;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn std::future::Future<Output = Result<CappedIo, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, dst: Uri) -> Self::Future {
+        let this = self.clone();
+        Box::pin(async move {
+            let permit = this.permit().await?;
+            this.connect_with(permit, dst).await
+        })
+    }
+}
+
+// === impl Slot ===
+
+impl Slot {
+    /// Gives the connection's place under the cap back now.
+    pub fn release(&self) {
+        drop(self.0.lock().unwrap_or_else(PoisonError::into_inner).take());
+    }
+}
+
+// === impl CappedIo ===
+
+impl CappedIo {
+    pub fn slot(&self) -> Slot {
+        self.slot.clone()
+    }
+}
+
+impl Connection for CappedIo {
+    fn connected(&self) -> Connected {
+        match &self.io {
+            Io::Plain(io) => io.connected(),
+            Io::Tls(_) => Connected::new(),
+        }
+    }
+}
+
+/// Delegates one I/O call to the plain or the TLS stream.
+macro_rules! delegate {
+    ($self:ident, $io:ident => $call:expr) => {
+        match &mut $self.get_mut().io {
+            Io::Plain($io) => {
+                let $io = Pin::new($io);
+                $call
+            }
+            Io::Tls($io) => {
+                let $io = Pin::new($io.as_mut());
+                $call
+            }
+        }
+    };
+}
+
+impl Read for CappedIo {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: ReadBufCursor<'_>) -> Poll<std::io::Result<()>> {
+        delegate!(self, io => io.poll_read(cx, buf))
+    }
+}
+
+impl Write for CappedIo {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+        delegate!(self, io => io.poll_write(cx, buf))
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        delegate!(self, io => io.poll_flush(cx))
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        delegate!(self, io => io.poll_shutdown(cx))
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        match &self.io {
+            Io::Plain(io) => io.is_write_vectored(),
+            Io::Tls(io) => io.is_write_vectored(),
+        }
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        delegate!(self, io => io.poll_write_vectored(cx, bufs))
+    }
+}
