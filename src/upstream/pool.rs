@@ -3,7 +3,7 @@
 //!
 //! A request takes an idle connection when one is ready, else opens one while the cap
 //! ([`CappedConnector`]) allows, else waits for whichever comes first: a connection given back
-//! or a free permit. A connection goes back to the idle list as soon as it can take the next
+//! (handed to the longest waiting request first) or a free permit. A connection goes back to the idle list as soon as it can take the next
 //! request (for most answers, when the answer's head arrives: its body is already read); one
 //! still streaming its answer's body goes back once that body is read. Idle connections are
 //! closed after the idle timeout by a background timer, and a connection found closed at
@@ -15,8 +15,9 @@
 //! for one (a boxed future) does. Every future of the request path is kept small, as each
 //! request's own future holds them and is moved whole more than once.
 
+use std::collections::VecDeque;
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Duration;
 
@@ -24,7 +25,7 @@ use http::header::{self, HeaderValue};
 use http::{Request, Response, Uri};
 use hyper::body::Incoming;
 use hyper::client::conn::http1::{self, SendRequest};
-use tokio::sync::Notify;
+use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use super::connect::{CappedConnector, Slot};
@@ -44,13 +45,18 @@ struct Shared {
     dst: Uri,
     /// The `Host` of a request that names none.
     host: HeaderValue,
-    /// Ready connections, the most recently used last.
-    idle: Mutex<Vec<Idle>>,
+    state: Mutex<State>,
     idle_timeout: Duration,
-    /// Requests waiting for a connection at the cap, woken by `returned`.
-    waiting: AtomicUsize,
-    returned: Notify,
     reaper_started: AtomicBool,
+}
+
+#[derive(Default)]
+struct State {
+    /// Ready connections, the most recently used last.
+    idle: Vec<Idle>,
+    /// Requests waiting at the cap, the longest waiting first: a connection given back goes
+    /// to the first of them still waiting, so they are served in the order they came.
+    waiters: VecDeque<oneshot::Sender<Taken>>,
 }
 
 struct Idle {
@@ -87,10 +93,8 @@ impl Pool {
                 connector,
                 dst,
                 host,
-                idle: Mutex::new(Vec::new()),
+                state: Mutex::new(State::default()),
                 idle_timeout,
-                waiting: AtomicUsize::new(0),
-                returned: Notify::new(),
                 reaper_started: AtomicBool::new(false),
             }),
         })
@@ -181,44 +185,41 @@ impl Pool {
     /// A new connection while the cap allows, else the first given back (or a permit freed
     /// by a connection that closed).
     async fn open_or_wait(&self) -> Result<Taken, UpstreamError> {
-        loop {
-            if let Some(conn) = self.take_idle() {
+        if let Some(permit) = self.shared.connector.try_permit() {
+            return self.open(permit).await;
+        }
+        let (handed, mut given) = oneshot::channel();
+        {
+            let mut state = self.shared.lock();
+            // Given back since the look at the idle list: taken now.
+            if let Some(conn) = state.take_idle(self.shared.idle_timeout) {
                 return Ok(conn);
             }
-            if let Some(permit) = self.shared.connector.try_permit() {
-                return self.open(permit).await;
-            }
-            let returned = self.shared.returned.notified();
-            tokio::pin!(returned);
-            returned.as_mut().enable();
-            let _waiting = Waiting::new(&self.shared.waiting);
-            // Given back between the look above and the registration: taken now.
-            if let Some(conn) = self.take_idle() {
-                return Ok(conn);
-            }
-            tokio::select! {
-                permit = self.shared.connector.permit() => {
-                    let permit = permit.map_err(|e| not_sent(&*e))?;
-                    return self.open(permit).await;
+            state.waiters.retain(|w| !w.is_closed());
+            state.waiters.push_back(handed);
+        }
+        tokio::select! {
+            conn = &mut given => match conn {
+                Ok(conn) => Ok(conn),
+                // The pool is going away.
+                Err(_) => Err(UpstreamError::NotSent("the store's connection pool closed".to_owned())),
+            },
+            permit = self.shared.connector.permit() => {
+                let permit = permit.map_err(|e| not_sent(&*e))?;
+                // A connection handed over at the same moment is used, not dropped.
+                given.close();
+                if let Ok(conn) = given.try_recv() {
+                    drop(permit);
+                    return Ok(conn);
                 }
-                () = &mut returned => {}
+                self.open(permit).await
             }
         }
     }
 
     /// The most recently used idle connection that is still open and within its idle time.
     fn take_idle(&self) -> Option<Taken> {
-        let mut idle = self.shared.idle.lock().unwrap_or_else(PoisonError::into_inner);
-        while let Some(entry) = idle.pop() {
-            if entry.tx.is_ready() && entry.since.elapsed() < self.shared.idle_timeout {
-                return Some(Taken {
-                    tx: entry.tx,
-                    slot: entry.slot,
-                    reused: true,
-                });
-            }
-        }
-        None
+        self.shared.lock().take_idle(self.shared.idle_timeout)
     }
 
     /// Opens a connection under `permit` and starts its task.
@@ -259,17 +260,23 @@ impl Pool {
         }
     }
 
+    /// To the first request still waiting for a connection, else to the idle list.
     fn park(&self, tx: SendRequest<Body>, slot: Slot) {
         self.start_reaper();
-        let since = Instant::now();
-        self.shared
-            .idle
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .push(Idle { tx, slot, since });
-        if self.shared.waiting.load(Ordering::SeqCst) > 0 {
-            self.shared.returned.notify_waiters();
+        let mut conn = Taken { tx, slot, reused: true };
+        let mut state = self.shared.lock();
+        while let Some(waiter) = state.waiters.pop_front() {
+            match waiter.send(conn) {
+                Ok(()) => return,
+                // It stopped waiting (its request ended, or it opened a connection).
+                Err(back) => conn = back,
+            }
         }
+        state.idle.push(Idle {
+            tx: conn.tx,
+            slot: conn.slot,
+            since: Instant::now(),
+        });
     }
 
     /// Starts the timer that closes idle connections past the idle timeout (once per pool,
@@ -295,14 +302,18 @@ impl Pool {
 // === impl Shared ===
 
 impl Shared {
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
     /// Closes the idle connections past the idle timeout, and forgets closed ones.
     fn close_expired(&self) {
         let expired: Vec<Idle> = {
-            let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
-            let (keep, expired) = std::mem::take(&mut *idle)
+            let mut state = self.lock();
+            let (keep, expired) = std::mem::take(&mut state.idle)
                 .into_iter()
                 .partition(|entry| !entry.tx.is_closed() && entry.since.elapsed() < self.idle_timeout);
-            *idle = keep;
+            state.idle = keep;
             expired
         };
         // Dropped outside the lock: each ends its connection's task, which closes the socket.
@@ -310,23 +321,26 @@ impl Shared {
     }
 }
 
-/// Counts a request waiting for a connection while it waits.
-struct Waiting<'a>(&'a AtomicUsize);
-
-impl<'a> Waiting<'a> {
-    fn new(count: &'a AtomicUsize) -> Self {
-        count.fetch_add(1, Ordering::SeqCst);
-        Self(count)
-    }
-}
-
-impl Drop for Waiting<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
 /// A failure before anything was written to the store.
 fn not_sent(e: &(dyn std::error::Error + 'static)) -> UpstreamError {
     UpstreamError::NotSent(error_chain(e))
+}
+
+// === impl State ===
+
+impl State {
+    /// The most recently used idle connection that is still open and within `idle_timeout`;
+    /// closed or expired ones met on the way are dropped.
+    fn take_idle(&mut self, idle_timeout: Duration) -> Option<Taken> {
+        while let Some(entry) = self.idle.pop() {
+            if entry.tx.is_ready() && entry.since.elapsed() < idle_timeout {
+                return Some(Taken {
+                    tx: entry.tx,
+                    slot: entry.slot,
+                    reused: true,
+                });
+            }
+        }
+        None
+    }
 }

@@ -532,6 +532,41 @@ async fn the_store_pool_is_capped_and_idle_connections_are_reaped() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_waiting_at_the_store_connection_cap_are_served_in_the_order_they_came() {
+    // 4 connections, 100 ms per answer, 40 readers each reading 3 times in a row: served in
+    // the order they came, no read waits behind more than the 39 others (10 rounds, about
+    // 1 s); a read passed over by later ones again and again waits several times that.
+    let tiny = TinyStore::start(false, Duration::from_millis(100)).await;
+    let mut args = proxy_args(tiny.addr, None);
+    args.upstream_max_connections = 4;
+    args.upstream_timeout_ms = 20_000;
+    let running = proxy(args).await;
+    let readers: Vec<_> = (0..40)
+        .map(|i| {
+            let client = client(running.addr);
+            tokio::spawn(async move {
+                let mut slowest = Duration::ZERO;
+                for round in 0..3 {
+                    let started = Instant::now();
+                    let status = get_doc(&client, &format!("fifo-{i}-{round}")).await.status.as_u16();
+                    assert_eq!(status, 200);
+                    slowest = slowest.max(started.elapsed());
+                }
+                slowest
+            })
+        })
+        .collect();
+    let mut slowest = Duration::ZERO;
+    for r in readers {
+        slowest = slowest.max(r.await.expect("reader"));
+    }
+    assert!(
+        slowest < Duration::from_millis(1600),
+        "a read through 4 connections (100 ms each) beside 39 other readers waited {slowest:?}"
+    );
+}
+
 #[test]
 fn health_subcommand_gives_up_before_the_image_healthcheck_does() {
     // A listener that accepts and never answers.
