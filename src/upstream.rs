@@ -235,7 +235,9 @@ impl Upstream {
         mut req: Request<Body>,
     ) -> impl Future<Output = Result<Response<Incoming>, UpstreamError>> + Send + '_ {
         self.add_headers(&mut req);
-        Self::timed(self.pool.send(req), self.timeout)
+        // The pool gives up waiting for a connection at the same moment, saying so.
+        let deadline = Instant::now() + self.timeout;
+        Self::timed(self.pool.send(req, deadline), self.timeout)
     }
 
     /// Like [`Upstream::send`], and a bodiless GET, HEAD or OPTIONS that failed without any
@@ -254,7 +256,7 @@ impl Upstream {
                 tracing::debug!(error = %first, "store connection failed before an answer; retrying on a fresh one");
                 self.metrics.upstream_retry();
                 self.add_headers(&mut again);
-                Self::timed(self.pool.send_fresh(again), left).await
+                Self::timed(self.pool.send_fresh(again, Instant::now() + left), left).await
             }
             other => other,
         }
@@ -302,7 +304,7 @@ impl Upstream {
         body_sent: impl std::future::Future<Output = bool>,
     ) -> Result<Response<Incoming>, UpstreamError> {
         self.add_headers(&mut req);
-        let res = self.pool.send(req);
+        let res = self.pool.send(req, Instant::now() + self.timeout);
         tokio::pin!(res);
         tokio::select! {
             r = &mut res => return r,

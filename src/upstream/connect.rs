@@ -19,6 +19,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 #[derive(Clone)]
 pub struct CappedConnector {
     inner: HttpConnector,
+    max: usize,
     permits: Arc<Semaphore>,
     tls: Option<tokio_rustls::TlsConnector>,
 }
@@ -49,6 +50,7 @@ impl CappedConnector {
     pub fn new(inner: HttpConnector, max: usize) -> Self {
         Self {
             inner,
+            max: max.max(1),
             permits: Arc::new(Semaphore::new(max.max(1))),
             tls: None,
         }
@@ -59,6 +61,11 @@ impl CappedConnector {
         self.inner.enforce_http(false);
         self.tls = Some(tokio_rustls::TlsConnector::from(config));
         self
+    }
+
+    /// The most connections open at once.
+    pub fn max(&self) -> usize {
+        self.max
     }
 
     /// A permit when one is free right now.

@@ -103,16 +103,19 @@ impl Pool {
     /// Sends `req` (its URI absolute or origin-form) on a pooled connection and waits for the
     /// answer's head. A reused connection found closed before it wrote the request is passed
     /// over for the next one.
+    /// A request that finds no connection free and none can be opened by `deadline` fails
+    /// as not sent (nothing was written), saying so.
     pub fn send(
         &self,
         req: Request<Body>,
+        deadline: Instant,
     ) -> impl Future<Output = Result<Response<Incoming>, UpstreamError>> + Send + '_ {
-        self.send_on(None, req)
+        self.send_on(None, req, deadline)
     }
 
     /// Like [`Pool::send`], on a connection opened for this request (one that cannot be
     /// stale), given to the pool afterwards.
-    pub async fn send_fresh(&self, req: Request<Body>) -> Result<Response<Incoming>, UpstreamError> {
+    pub async fn send_fresh(&self, req: Request<Body>, deadline: Instant) -> Result<Response<Incoming>, UpstreamError> {
         let permit = match self.shared.connector.try_permit() {
             Some(permit) => permit,
             // At the cap: an idle connection is closed to make room, or one comes back.
@@ -121,21 +124,26 @@ impl Pool {
                     drop(idle);
                     self.shared.connector.permit().await.map_err(|e| not_sent(&*e))?
                 }
-                None => return self.send(req).await,
+                None => return self.send(req, deadline).await,
             },
         };
         let conn = Box::pin(self.open(permit)).await?;
-        self.send_on(Some(conn), req).await
+        self.send_on(Some(conn), req, deadline).await
     }
 
     /// Sends `req` on `conn`, or on a connection from the pool. The futures of this path are
     /// kept small (a request's own future holds them): taking an idle connection is not
     /// awaited, and opening one or waiting for one is boxed.
-    async fn send_on(&self, conn: Option<Taken>, mut req: Request<Body>) -> Result<Response<Incoming>, UpstreamError> {
+    async fn send_on(
+        &self,
+        conn: Option<Taken>,
+        mut req: Request<Body>,
+        deadline: Instant,
+    ) -> Result<Response<Incoming>, UpstreamError> {
         self.prepare(&mut req);
         let mut conn = match conn.or_else(|| self.take_idle()) {
             Some(conn) => conn,
-            None => Box::pin(self.open_or_wait()).await?,
+            None => self.open_or_wait(deadline).await?,
         };
         loop {
             let mut failed = match conn.tx.try_send_request(req).await {
@@ -158,7 +166,7 @@ impl Pool {
                     req = unsent;
                     conn = match self.take_idle() {
                         Some(conn) => conn,
-                        None => Box::pin(self.open_or_wait()).await?,
+                        None => self.open_or_wait(deadline).await?,
                     };
                 }
                 Some(_) => return Err(UpstreamError::NotSent(error_chain(&error))),
@@ -184,7 +192,19 @@ impl Pool {
 
     /// A new connection while the cap allows, else the first given back (or a permit freed
     /// by a connection that closed).
-    async fn open_or_wait(&self) -> Result<Taken, UpstreamError> {
+    /// Opening a connection or waiting for one, until `deadline`. Boxed: its future is large
+    /// (connect, TLS and handshake state) and every request's future would carry it.
+    async fn open_or_wait(&self, deadline: Instant) -> Result<Taken, UpstreamError> {
+        match Box::pin(tokio::time::timeout_at(deadline, self.open_or_wait_unbounded())).await {
+            Ok(conn) => conn,
+            Err(_) => Err(UpstreamError::NotSent(format!(
+                "no connection to the store could be had in time: {} are allowed (--upstream-max-connections) and none became free",
+                self.shared.connector.max()
+            ))),
+        }
+    }
+
+    async fn open_or_wait_unbounded(&self) -> Result<Taken, UpstreamError> {
         if let Some(permit) = self.shared.connector.try_permit() {
             return self.open(permit).await;
         }

@@ -451,6 +451,23 @@ impl TinyStore {
     }
 }
 
+/// Reads a request head; gives its first line.
+async fn read_request_line(conn: &mut tokio::net::TcpStream) -> Option<String> {
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        match conn.read(&mut byte).await {
+            Ok(1) => head.push(byte[0]),
+            _ => return None,
+        }
+        if head.len() > 64 * 1024 {
+            return None;
+        }
+    }
+    let head = String::from_utf8_lossy(&head).into_owned();
+    head.lines().next().map(str::to_owned)
+}
+
 async fn read_head(conn: &mut tokio::net::TcpStream) -> Option<()> {
     let mut head = Vec::new();
     let mut byte = [0u8; 1];
@@ -564,6 +581,86 @@ async fn requests_waiting_at_the_store_connection_cap_are_served_in_the_order_th
     assert!(
         slowest < Duration::from_millis(1600),
         "a read through 4 connections (100 ms each) beside 39 other readers waited {slowest:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_that_gets_no_store_connection_in_time_says_so_and_that_nothing_was_written() {
+    // One connection, held by an answer whose body takes 2 s to arrive: the next read and
+    // write wait for it until the timeout, and were never sent.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let store = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        while let Ok((mut conn, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                loop {
+                    let Some(request) = read_request_line(&mut conn).await else {
+                        return;
+                    };
+                    // The health check's `GET /` is answered at once.
+                    let slow = request.starts_with("GET /slow ");
+                    let head = if slow {
+                        "HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: 10\r\n\r\n"
+                    } else {
+                        "HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"
+                    };
+                    if conn.write_all(head.as_bytes()).await.is_err() {
+                        return;
+                    }
+                    for _ in 0..if slow { 10 } else { 0 } {
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                        if conn.write_all(b"x").await.is_err() {
+                            return;
+                        }
+                    }
+                }
+            });
+        }
+    });
+    let mut args = proxy_args(store, None);
+    args.upstream_max_connections = 1;
+    args.upstream_timeout_ms = 500;
+    let running = proxy(args).await;
+    let running_addr = running.addr;
+    let holder = tokio::spawn(async move {
+        let mut conn = tokio::net::TcpStream::connect(running_addr).await.expect("connect");
+        conn.write_all(b"GET /slow HTTP/1.1\r\nhost: store\r\nconnection: close\r\n\r\n")
+            .await
+            .expect("send");
+        let mut answer = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(5), conn.read_to_end(&mut answer)).await;
+        String::from_utf8_lossy(&answer).into_owned()
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let client = client(running.addr);
+    let started = Instant::now();
+    let (read, write) = tokio::join!(
+        get_doc(&client, "slot-read"),
+        try_append(&client, "slot-write", 1, "m1", true, &[])
+    );
+    let write = write.expect("an answer to the write");
+    let took = started.elapsed();
+    let held = holder.await.expect("holder");
+    assert!(
+        took < Duration::from_millis(1500),
+        "{:?}: held {held:?} read {} {}, write {} {}",
+        took,
+        read.status,
+        read.json,
+        write.status,
+        write.json
+    );
+    for (what, status, json) in [("read", read.status, &read.json), ("write", write.status, &write.json)] {
+        assert_eq!(status.as_u16(), 502, "{what}: {json}");
+        assert_eq!(json["error"], "upstream_unavailable", "{what}: {json}");
+        let message = json["message"].as_str().unwrap_or_default();
+        assert!(message.contains("--upstream-max-connections"), "{what}: {message}");
+    }
+    let message = write.json["message"].as_str().unwrap_or_default();
+    assert!(message.contains("nothing was written"), "{message}");
+    assert!(
+        held.starts_with("HTTP/1.1 200") && held.ends_with("xxxxxxxxxx"),
+        "{held}"
     );
 }
 
