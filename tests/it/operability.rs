@@ -469,18 +469,7 @@ async fn read_request_line(conn: &mut tokio::net::TcpStream) -> Option<String> {
 }
 
 async fn read_head(conn: &mut tokio::net::TcpStream) -> Option<()> {
-    let mut head = Vec::new();
-    let mut byte = [0u8; 1];
-    while !head.ends_with(b"\r\n\r\n") {
-        match conn.read(&mut byte).await {
-            Ok(1) => head.push(byte[0]),
-            _ => return None,
-        }
-        if head.len() > 64 * 1024 {
-            return None;
-        }
-    }
-    Some(())
+    read_request_line(conn).await.map(drop)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
