@@ -256,7 +256,9 @@ impl Upstream {
                 tracing::debug!(error = %first, "store connection failed before an answer; retrying on a fresh one");
                 self.metrics.upstream_retry();
                 self.add_headers(&mut again);
-                Self::timed(self.pool.send_fresh(again, Instant::now() + left), left).await
+                // Boxed: the retry is rare, and every read's future would carry its state.
+                let fresh = Box::pin(self.pool.send_fresh(again, Instant::now() + left));
+                Self::timed(fresh, left).await
             }
             other => other,
         }

@@ -103,6 +103,7 @@ impl Pool {
     /// Sends `req` (its URI absolute or origin-form) on a pooled connection and waits for the
     /// answer's head. A reused connection found closed before it wrote the request is passed
     /// over for the next one.
+    ///
     /// A request that finds no connection free and none can be opened by `deadline` fails
     /// as not sent (nothing was written), saying so.
     pub fn send(
@@ -122,7 +123,10 @@ impl Pool {
             None => match self.take_idle() {
                 Some(idle) => {
                     drop(idle);
-                    self.shared.connector.permit().await.map_err(|e| not_sent(&*e))?
+                    match tokio::time::timeout_at(deadline, self.shared.connector.permit()).await {
+                        Ok(permit) => permit.map_err(|e| not_sent(&*e))?,
+                        Err(_) => return Err(self.none_in_time()),
+                    }
                 }
                 None => return self.send(req, deadline).await,
             },
@@ -191,17 +195,21 @@ impl Pool {
     }
 
     /// A new connection while the cap allows, else the first given back (or a permit freed
-    /// by a connection that closed).
-    /// Opening a connection or waiting for one, until `deadline`. Boxed: its future is large
-    /// (connect, TLS and handshake state) and every request's future would carry it.
+    /// by a connection that closed), until `deadline`. Boxed: its future is large (connect,
+    /// TLS and handshake state) and every request's future would carry it.
     async fn open_or_wait(&self, deadline: Instant) -> Result<Taken, UpstreamError> {
         match Box::pin(tokio::time::timeout_at(deadline, self.open_or_wait_unbounded())).await {
             Ok(conn) => conn,
-            Err(_) => Err(UpstreamError::NotSent(format!(
-                "no connection to the store could be had in time: {} are allowed (--upstream-max-connections) and none became free",
-                self.shared.connector.max()
-            ))),
+            Err(_) => Err(self.none_in_time()),
         }
+    }
+
+    /// Why a request got no connection: the store was never asked.
+    fn none_in_time(&self) -> UpstreamError {
+        UpstreamError::NotSent(format!(
+            "no connection to the store could be had in time: {} are allowed (--upstream-max-connections) and none became free",
+            self.shared.connector.max()
+        ))
     }
 
     async fn open_or_wait_unbounded(&self) -> Result<Taken, UpstreamError> {
