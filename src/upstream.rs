@@ -1,12 +1,12 @@
 //! The context store behind the sidecar: a pooled keep-alive HTTP client, the document read
 //! and the conditional write-back, and plain forwarding for everything else.
 //!
-//! Connection hygiene: the pool is capped ([`pool`]) and idle connections are closed after the
+//! Connection hygiene: the pool ([`pool`]) is capped ([`connect`]) and idle connections are closed after the
 //! idle timeout by a background timer. A store (or a load balancer) may close an idle
 //! keep-alive connection without saying so; a request that finds such a connection fails
 //! before any answer, and what is safe to send twice is sent again on a fresh connection:
 //! bodiless GET/HEAD/OPTIONS (turnlock's own document read included). A write-back that was
-//! never written to a connection is retried by the client itself; one that may have been
+//! never written to a connection is sent again by the pool on the next one; one that may have been
 //! sent is not (its outcome is unknown).
 
 mod connect;
