@@ -134,6 +134,10 @@ pub enum EdgeError {
     /// The store failed a request passed through (or turnlock could not sign it for the store).
     #[error(transparent)]
     Forward(#[from] UpstreamError),
+    /// What HTTP itself asks of a server and turnlock does not do (`code` says what): a
+    /// `CONNECT`, a transfer coding other than `chunked`. Answered 501.
+    #[error("{message}")]
+    NotImplemented { code: &'static str, message: String },
     /// A request handler panicked.
     #[error("turnlock failed while handling this request")]
     Panic,
@@ -176,6 +180,7 @@ impl From<EdgeError> for Refusal {
             EdgeError::AmbiguousPath(_) => (StatusCode::BAD_REQUEST, "ambiguous_path", None),
             EdgeError::InvalidPath(_) => (StatusCode::BAD_REQUEST, "invalid_path", None),
             EdgeError::Forward(u) => (u.status(), u.code(), None),
+            EdgeError::NotImplemented { code, .. } => (StatusCode::NOT_IMPLEMENTED, *code, None),
             EdgeError::Panic => (StatusCode::INTERNAL_SERVER_ERROR, "internal", None),
             EdgeError::NoDestination { code, .. } => (StatusCode::BAD_GATEWAY, *code, None),
             EdgeError::ForwardingLoop(_) => (StatusCode::LOOP_DETECTED, "forwarding_loop", None),

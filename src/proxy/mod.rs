@@ -93,6 +93,11 @@ impl Proxy {
     /// ([`RouteName`]) for the request metrics layer.
     pub async fn handle(&self, req: Request<Body>, peer: SocketAddr) -> Response<Body> {
         let inner = &self.inner;
+        if let Err(refused) = check_framing(&req) {
+            let mut res = refused.into_response();
+            res.extensions_mut().insert(RouteName("invalid"));
+            return res;
+        }
         // The route's captures are owned: the path is not copied to find them.
         let found = inner.routes.find(req.method(), req.uri().path());
         let (route_name, mut res) = match found {
@@ -251,6 +256,40 @@ fn log_write(route: &str, session: &str, turn: u64, answer: &answer::Answer, sta
             tracing::warn!(route, status, outcome, suppressed, "writes failing");
         }
     }
+}
+
+/// What HTTP asks of any server before a route is looked at: `CONNECT` is not served
+/// (turnlock forwards requests to its store, it opens no tunnels: 501); an HTTP/1.1 request
+/// read off a connection names its host in exactly one `Host` (RFC 9112 §3.2: 400 otherwise;
+/// a request built in memory, for the service used as a library, need not); a body is framed by
+/// `Content-Length` or `chunked` alone (another transfer coding, such as `gzip`, would reach
+/// the store or the merge still coded: 501, RFC 9112 §6.1).
+fn check_framing(req: &Request<Body>) -> Result<(), EdgeError> {
+    if req.method() == http::Method::CONNECT {
+        return Err(EdgeError::NotImplemented {
+            code: "method_not_supported",
+            message: "CONNECT is not supported: turnlock forwards requests to its store and opens no tunnels".into(),
+        });
+    }
+    if req.version() == http::Version::HTTP_11 && req.extensions().get::<crate::server::Conn>().is_some() {
+        let mut hosts = req.headers().get_all(header::HOST).iter();
+        if hosts.next().is_none() || hosts.next().is_some() {
+            return Err(EdgeError::Invalid {
+                code: "invalid_host",
+                message: "an HTTP/1.1 request names its host in exactly one Host header".into(),
+            });
+        }
+    }
+    for coding in req.headers().get_all(header::TRANSFER_ENCODING) {
+        let coding = coding.to_str().unwrap_or("?");
+        if coding.split(',').any(|c| !c.trim().eq_ignore_ascii_case("chunked")) {
+            return Err(EdgeError::NotImplemented {
+                code: "unsupported_transfer_coding",
+                message: format!("Transfer-Encoding {coding:?} is not supported: only chunked is"),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Appends the agent's address to `X-Forwarded-For`: every prior hop kept, from all the

@@ -520,3 +520,84 @@ async fn a_body_that_never_arrives_is_refused_with_408() {
     );
     p.stop().await;
 }
+
+/// What HTTP itself refuses is answered before any route and never reaches the store: a
+/// `CONNECT` (501), an HTTP/1.1 request without exactly one `Host` (400), a transfer coding
+/// other than `chunked` (501: the body would reach the store or the merge still coded).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_http_itself_refuses_are_answered_before_any_route_and_never_forwarded() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let seen = std::sync::Arc::new(AtomicUsize::new(0));
+    let counted = seen.clone();
+    // Counts what reaches the store, the health check's `GET /` aside.
+    let store = serve(move |req: http::Request<hyper::body::Incoming>| {
+        if req.uri().path() != "/" {
+            counted.fetch_add(1, Ordering::SeqCst);
+        }
+        async { http::Response::new(http_body_util::Full::new(bytes::Bytes::from_static(b"{}"))) }
+    })
+    .await;
+    let p = proxy(proxy_args(store, None)).await;
+    let chunked = "5\r\nhello\r\n0\r\n\r\n";
+    let gzip = ("transfer-encoding", "gzip, chunked");
+    let cases: Vec<(&str, Vec<u8>, u16, &str)> = vec![
+        (
+            "CONNECT",
+            b"CONNECT store:443 HTTP/1.1\r\nhost: store:443\r\nconnection: close\r\n\r\n".to_vec(),
+            501,
+            "method_not_supported",
+        ),
+        (
+            "no Host",
+            b"GET /v1/sessions/a HTTP/1.1\r\nconnection: close\r\n\r\n".to_vec(),
+            400,
+            "invalid_host",
+        ),
+        (
+            "two Hosts",
+            b"GET /v1/sessions/a HTTP/1.1\r\nhost: a\r\nhost: b\r\nconnection: close\r\n\r\n".to_vec(),
+            400,
+            "invalid_host",
+        ),
+        (
+            "gzip-coded write",
+            request("POST", "/v1/sessions/a/messages", &[JSON, gzip], chunked),
+            501,
+            "unsupported_transfer_coding",
+        ),
+        (
+            "gzip-coded upload passed through",
+            request("PUT", "/files/a", &[gzip], chunked),
+            501,
+            "unsupported_transfer_coding",
+        ),
+    ];
+    for (name, bytes, status, code) in cases {
+        let mut s = TcpStream::connect(p.addr).await.expect("connect");
+        s.write_all(&bytes).await.expect("send");
+        let mut buf = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut buf)).await;
+        let text = String::from_utf8_lossy(&buf).into_owned();
+        // One answer: its status, and its body's JSON.
+        let answered: u16 = text.get(9..12).and_then(|s| s.parse().ok()).unwrap_or(0);
+        let json: Value = text
+            .split_once("\r\n\r\n")
+            .and_then(|(_, body)| serde_json::from_str(body).ok())
+            .unwrap_or(Value::Null);
+        assert_eq!(answered, status, "{name}: {text}");
+        assert_eq!(json["error"], code, "{name}: {text}");
+    }
+    assert_eq!(seen.load(Ordering::SeqCst), 0, "a refused request reached the store");
+    // Host is optional in HTTP/1.0: such a request is served.
+    let mut s = TcpStream::connect(p.addr).await.expect("connect");
+    s.write_all(b"GET /v1/sessions/a HTTP/1.0\r\n\r\n").await.expect("send");
+    let mut answer = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut answer)).await;
+    let text = String::from_utf8_lossy(&answer).into_owned();
+    assert!(
+        text.starts_with("HTTP/1.1 200") || text.starts_with("HTTP/1.0 200"),
+        "{text}"
+    );
+    assert_eq!(seen.load(Ordering::SeqCst), 1);
+    p.stop().await;
+}
