@@ -20,6 +20,7 @@ mod web_identity;
 
 pub use self::document::{parse_document, Fetched, FetchedRaw, Precondition};
 pub use self::error::UpstreamError;
+pub use self::pool::Reserved;
 pub use self::sigv4::{SignError, Signer};
 pub use self::store_parts::StoreParts;
 pub use self::web_identity::{StsError, WebIdentity, WebIdentityConfig};
@@ -229,15 +230,39 @@ impl Upstream {
             .build()
     }
 
-    /// Sends a request, waiting at most the timeout for the response head. The body streams.
+    /// Sends a request, waiting at most the timeout for a store connection and, once the
+    /// request is on one, at most the timeout for the response head. The body streams.
     pub fn send(
         &self,
         mut req: Request<Body>,
     ) -> impl Future<Output = Result<Response<Incoming>, UpstreamError>> + Send + '_ {
         self.add_headers(&mut req);
-        // The pool gives up waiting for a connection at the same moment, saying so.
+        // A request that gets no connection in time was never sent, and is answered so.
         let deadline = Instant::now() + self.timeout;
-        Self::timed(self.pool.send(req, deadline), self.timeout)
+        self.pool.send(req, deadline, Some(self.timeout))
+    }
+
+    /// A store connection for a request still to be made, waited for as [`Upstream::send`]
+    /// waits for one (a 502 saying nothing was sent when none comes in time).
+    pub async fn reserve(&self) -> Result<Reserved, UpstreamError> {
+        self.pool.reserve(Instant::now() + self.timeout).await
+    }
+
+    /// Like [`Upstream::reserve`], a connection opened for the request (one the store cannot
+    /// have closed while it was idle).
+    pub async fn reserve_fresh(&self) -> Result<Reserved, UpstreamError> {
+        Box::pin(self.pool.reserve_fresh(Instant::now() + self.timeout)).await
+    }
+
+    /// [`Upstream::send`] on a connection reserved for it ([`Upstream::reserve`]).
+    pub fn send_reserved(
+        &self,
+        reserved: Reserved,
+        mut req: Request<Body>,
+    ) -> impl Future<Output = Result<Response<Incoming>, UpstreamError>> + Send + '_ {
+        self.add_headers(&mut req);
+        let deadline = Instant::now() + self.timeout;
+        self.pool.send_reserved(reserved, req, deadline, Some(self.timeout))
     }
 
     /// Like [`Upstream::send`], and a bodiless GET, HEAD or OPTIONS that failed without any
@@ -257,8 +282,7 @@ impl Upstream {
                 self.metrics.upstream_retry();
                 self.add_headers(&mut again);
                 // Boxed: the retry is rare, and every read's future would carry its state.
-                let fresh = Box::pin(self.pool.send_fresh(again, Instant::now() + left));
-                Self::timed(fresh, left).await
+                Box::pin(self.pool.send_fresh(again, Instant::now() + left, Some(left))).await
             }
             other => other,
         }
@@ -306,7 +330,7 @@ impl Upstream {
         body_sent: impl std::future::Future<Output = bool>,
     ) -> Result<Response<Incoming>, UpstreamError> {
         self.add_headers(&mut req);
-        let res = self.pool.send(req, Instant::now() + self.timeout);
+        let res = self.pool.send(req, Instant::now() + self.timeout, None);
         tokio::pin!(res);
         tokio::select! {
             r = &mut res => return r,
@@ -337,8 +361,19 @@ impl Upstream {
         else {
             return false;
         };
-        // As a read is sent: a pooled connection the store has closed is not an outage.
-        match self.send_safe(req).await {
+        // On a connection of its own when the cap is full; sent again on a new one when a
+        // pooled connection the store has closed fails it (that is not an outage).
+        let mut req = req;
+        self.add_headers(&mut req);
+        let again = repeatable(&req);
+        let sent = match self.pool.probe(req, self.timeout, false).await {
+            Err(UpstreamError::Unreachable(_) | UpstreamError::NotSent(_)) => match again {
+                Some(again) => self.pool.probe(again, self.timeout, true).await,
+                None => return false,
+            },
+            other => other,
+        };
+        match sent {
             Ok(res) => {
                 let _ = self.body(res).await;
                 true

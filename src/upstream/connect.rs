@@ -78,8 +78,9 @@ impl CappedConnector {
         Ok(self.permits.clone().acquire_owned().await?)
     }
 
-    /// Opens one connection to `dst` under `permit`.
-    pub async fn connect_with(&self, permit: OwnedSemaphorePermit, dst: Uri) -> Result<CappedIo, BoxError> {
+    /// Opens one connection to `dst` under `permit`; without one, outside the cap (the
+    /// health check's, used once when the cap is full).
+    pub async fn connect_with(&self, permit: Option<OwnedSemaphorePermit>, dst: Uri) -> Result<CappedIo, BoxError> {
         let https = dst.scheme() == Some(&http::uri::Scheme::HTTPS);
         let host = dst.host().unwrap_or_default().trim_matches(['[', ']']).to_owned();
         let io = tower::Service::call(&mut self.inner.clone(), dst).await?;
@@ -94,7 +95,7 @@ impl CappedConnector {
         };
         Ok(CappedIo {
             io,
-            slot: Slot(Arc::new(Mutex::new(Some(permit)))),
+            slot: Slot(Arc::new(Mutex::new(permit))),
         })
     }
 }
@@ -113,7 +114,7 @@ impl tower::Service<Uri> for CappedConnector {
         let this = self.clone();
         Box::pin(async move {
             let permit = this.permit().await?;
-            this.connect_with(permit, dst).await
+            this.connect_with(Some(permit), dst).await
         })
     }
 }
@@ -124,6 +125,12 @@ impl Slot {
     /// Gives the connection's place under the cap back now.
     pub fn release(&self) {
         drop(self.0.lock().unwrap_or_else(PoisonError::into_inner).take());
+    }
+
+    /// Whether the connection holds a place under the cap (not one opened outside it, nor
+    /// one whose place was given back).
+    pub fn capped(&self) -> bool {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).is_some()
     }
 }
 

@@ -118,15 +118,17 @@ impl Upstream {
         precondition: &Precondition,
         fence: u64,
     ) -> Result<Option<HeaderValue>, UpstreamError> {
-        self.put_document_with(path, doc, precondition, fence, &StoreParts::default())
+        let conn = self.reserve().await?;
+        self.put_document_with(conn, path, doc, precondition, fence, &StoreParts::default())
             .await
     }
 
     /// [`Upstream::put_document`] in a store's dialect: with the client's headers the
     /// dialect keeps (metadata, encryption, content type, credentials), and the dialect's
-    /// conflict statuses read as "the document moved".
+    /// conflict statuses read as "the document moved". Sent on `conn`, reserved for it.
     pub async fn put_document_with(
         &self,
+        conn: super::Reserved,
         path: &str,
         doc: Bytes,
         precondition: &Precondition,
@@ -159,7 +161,7 @@ impl Upstream {
             .body(full(doc.clone()))
             .map_err(|e| UpstreamError::NotSent(e.to_string()))?;
         self.sign(&mut req, &doc)?;
-        let res = self.send(req).await;
+        let res = self.send_reserved(conn, req).await;
         self.answered("put", &res);
         let result = match res {
             Err(e) => Err(e),

@@ -65,6 +65,21 @@ struct Idle {
     since: Instant,
 }
 
+/// A store connection taken for a request still to be made ([`Pool::reserve`]); back to the
+/// pool when dropped unused.
+pub struct Reserved {
+    pool: Pool,
+    conn: Option<Taken>,
+}
+
+impl Drop for Reserved {
+    fn drop(&mut self) {
+        if let Some(conn) = self.conn.take() {
+            self.pool.give_back(conn.tx, conn.slot);
+        }
+    }
+}
+
 /// A connection taken from the pool or just opened.
 struct Taken {
     tx: SendRequest<Body>,
@@ -105,21 +120,63 @@ impl Pool {
     /// over for the next one.
     ///
     /// A request that finds no connection free and none can be opened by `deadline` fails
-    /// as not sent (nothing was written), saying so.
+    /// as not sent (nothing was written), saying so. `answer_within` bounds the wait for the
+    /// answer's head from the moment the request is handed to its connection: time spent
+    /// waiting for a connection never shortens the store's time to answer (a write sent
+    /// with almost no time left would time out with its outcome unknown, though applied).
     pub fn send(
         &self,
         req: Request<Body>,
         deadline: Instant,
+        answer_within: Option<Duration>,
     ) -> impl Future<Output = Result<Response<Incoming>, UpstreamError>> + Send + '_ {
-        self.send_on(None, req, deadline)
+        self.send_on(None, req, deadline, answer_within)
+    }
+
+    /// A connection for a request still to be made, waiting for one until `deadline` as
+    /// [`Pool::send`] does: a write whose ordering must outlive the store's answer (a commit
+    /// slot) takes its connection first, then makes sure of its order, then sends.
+    pub async fn reserve(&self, deadline: Instant) -> Result<Reserved, UpstreamError> {
+        let conn = match self.take_idle() {
+            Some(conn) => conn,
+            None => self.open_or_wait(deadline).await?,
+        };
+        Ok(Reserved {
+            pool: self.clone(),
+            conn: Some(conn),
+        })
+    }
+
+    /// Like [`Pool::send`], on `reserved` (or, when the store closed it meanwhile, on the next
+    /// connection until `deadline`).
+    pub fn send_reserved(
+        &self,
+        mut reserved: Reserved,
+        req: Request<Body>,
+        deadline: Instant,
+        answer_within: Option<Duration>,
+    ) -> impl Future<Output = Result<Response<Incoming>, UpstreamError>> + Send + '_ {
+        self.send_on(reserved.conn.take(), req, deadline, answer_within)
     }
 
     /// Like [`Pool::send`], on a connection opened for this request (one that cannot be
     /// stale), given to the pool afterwards.
-    pub async fn send_fresh(&self, req: Request<Body>, deadline: Instant) -> Result<Response<Incoming>, UpstreamError> {
+    pub async fn send_fresh(
+        &self,
+        req: Request<Body>,
+        deadline: Instant,
+        answer_within: Option<Duration>,
+    ) -> Result<Response<Incoming>, UpstreamError> {
+        let mut reserved = self.reserve_fresh(deadline).await?;
+        self.send_on(reserved.conn.take(), req, deadline, answer_within).await
+    }
+
+    /// Like [`Pool::reserve`], a connection opened for the request to come (one that cannot
+    /// be stale): at the cap, an idle connection is closed to make room; with none idle, the
+    /// first given back is taken.
+    pub async fn reserve_fresh(&self, deadline: Instant) -> Result<Reserved, UpstreamError> {
         let permit = match self.shared.connector.try_permit() {
             Some(permit) => permit,
-            // At the cap: an idle connection is closed to make room, or one comes back.
             None => match self.take_idle() {
                 Some(idle) => {
                     drop(idle);
@@ -128,11 +185,14 @@ impl Pool {
                         Err(_) => return Err(self.none_in_time()),
                     }
                 }
-                None => return self.send(req, deadline).await,
+                None => return self.reserve(deadline).await,
             },
         };
         let conn = Box::pin(self.open(permit)).await?;
-        self.send_on(Some(conn), req, deadline).await
+        Ok(Reserved {
+            pool: self.clone(),
+            conn: Some(conn),
+        })
     }
 
     /// Sends `req` on `conn`, or on a connection from the pool. The futures of this path are
@@ -143,6 +203,7 @@ impl Pool {
         conn: Option<Taken>,
         mut req: Request<Body>,
         deadline: Instant,
+        answer_within: Option<Duration>,
     ) -> Result<Response<Incoming>, UpstreamError> {
         self.prepare(&mut req);
         let mut conn = match conn.or_else(|| self.take_idle()) {
@@ -150,14 +211,23 @@ impl Pool {
             None => self.open_or_wait(deadline).await?,
         };
         loop {
-            let mut failed = match conn.tx.try_send_request(req).await {
+            let sent = conn.tx.try_send_request(req);
+            let answered = match answer_within {
+                Some(limit) => match tokio::time::timeout(limit, sent).await {
+                    Ok(answered) => answered,
+                    Err(_) => return Err(UpstreamError::Timeout(limit)),
+                },
+                None => sent.await,
+            };
+            let mut failed = match answered {
                 Ok(res) => {
                     if res.status() == http::StatusCode::SWITCHING_PROTOCOLS {
                         // A tunnel now: no longer one of the store connections requests share.
                         conn.slot.release();
-                    } else {
+                    } else if conn.slot.capped() {
                         self.give_back(conn.tx, conn.slot);
                     }
+                    // Else opened outside the cap for a health check: closed once answered.
                     return Ok(res);
                 }
                 Err(failed) => failed,
@@ -250,8 +320,32 @@ impl Pool {
         self.shared.lock().take_idle(self.shared.idle_timeout)
     }
 
+    /// Sends a health check: on an idle connection (with `fresh`, never), else on a new one,
+    /// opened outside the cap when the cap is full (and closed after): the check never waits
+    /// behind the requests queued at the cap, so a pool in full use is not taken for a store
+    /// that is down.
+    pub async fn probe(
+        &self,
+        req: Request<Body>,
+        answer_within: Duration,
+        fresh: bool,
+    ) -> Result<Response<Incoming>, UpstreamError> {
+        let idle = if fresh { None } else { self.take_idle() };
+        let conn = match idle {
+            Some(conn) => conn,
+            None => Box::pin(self.open_permit(self.shared.connector.try_permit())).await?,
+        };
+        self.send_on(Some(conn), req, Instant::now() + answer_within, Some(answer_within))
+            .await
+    }
+
     /// Opens a connection under `permit` and starts its task.
     async fn open(&self, permit: tokio::sync::OwnedSemaphorePermit) -> Result<Taken, UpstreamError> {
+        self.open_permit(Some(permit)).await
+    }
+
+    /// Opens a connection, under `permit` or outside the cap, and starts its task.
+    async fn open_permit(&self, permit: Option<tokio::sync::OwnedSemaphorePermit>) -> Result<Taken, UpstreamError> {
         let io = self
             .shared
             .connector

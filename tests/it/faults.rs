@@ -453,6 +453,61 @@ async fn slow_and_failing_upstream_never_acknowledges_unconfirmed_writes() {
     healthy.stop().await;
 }
 
+/// Fault 5b: A write-back's connection is cut before its answer (a store or load balancer
+/// closing a keep-alive connection just as the write-back goes out; or the answer lost after
+/// the store applied it). With a store that gives ETags the outcome is resolved under the
+/// commit slot (the write-back sent again under the same `If-Match`): the write is answered
+/// as applied exactly when it is stored, and the session's next write goes through at once,
+/// not after the slot of an unknown outcome has lapsed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_back_cut_before_its_answer_is_resolved_not_left_unknown() {
+    let redis = RedisServer::start();
+    let store = store().await;
+    let relay = Relay::start(store.addr).await;
+    let p = proxy(args(&relay.url("http"), &redis.url())).await;
+    let (c, direct) = (client(p.addr), client(store.addr));
+    let ledger = Ledger::default();
+    for (name, rule) in [("never-sent", OnPut::ResetOnce), ("answer-lost", OnPut::LoseAnswerOnce)] {
+        let s = format!("cut-{name}");
+        assert!(write_until_acked(&c, &ledger, &s, 1, &format!("{s}-seed")).await);
+        relay.on_put(rule);
+        let token = format!("{s}-write");
+        let reply = try_append(&c, &s, 1, &token, true, &[]).await.expect("an HTTP answer");
+        let landed = message_ids(&get_doc(&direct, &s).await.json).contains(&token);
+        eprintln!("{name}: {} {} (stored: {landed})", reply.status, reply.json);
+        assert!(reply.status.is_success(), "{name}: {} {}", reply.status, reply.json);
+        assert!(landed, "{name}: acknowledged but not stored");
+        record(&ledger, &AtomicU64::new(0), &s, 1, &token, Ok(reply));
+        // The next write of the session is not held back by the cut one.
+        let started = tokio::time::Instant::now();
+        let next = try_append(&c, &s, 2, &format!("{s}-next"), true, &[])
+            .await
+            .expect("an HTTP answer");
+        assert!(
+            next.status.is_success(),
+            "{name}: next write {} {}",
+            next.status,
+            next.json
+        );
+        assert!(
+            started.elapsed() < lease(),
+            "{name}: next write took {:?}",
+            started.elapsed()
+        );
+        record(&ledger, &AtomicU64::new(0), &s, 2, &format!("{s}-next"), Ok(next));
+    }
+    let sessions = ["cut-never-sent".to_owned(), "cut-answer-lost".to_owned()];
+    let counts = check(store.addr, &sessions, &[&ledger]).await;
+    report("write-back connection cut before its answer", &counts);
+    assert!(counts.clean(), "{counts:?}");
+    assert!(
+        relay.lost_responses() == 1,
+        "the answer was not lost: the fault did not happen"
+    );
+    assert_no_locks_left(&redis).await;
+    p.stop().await;
+}
+
 /// Fault 7: The agent retries after losing the answer to a write that did land (`Idempotency-Key`):
 /// each write is applied exactly once. Messages carry no id, so only the idempotency record
 /// can tell a retry from a new write.

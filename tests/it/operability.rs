@@ -406,7 +406,8 @@ async fn keep_alive_clients_racing_the_drain_are_answered_connection_close_not_c
 
 /// A store that answers the first request of each connection and closes the connection when
 /// the next one arrives, without answering (an idle connection closed silently); or, with
-/// `close_reused` false, a plain keep-alive store. Counts connections open and at most open.
+/// `close_reused` false, a plain keep-alive store. Counts the connections open that carried
+/// a request other than the health check's `GET /`, and the most open at once.
 struct TinyStore {
     addr: SocketAddr,
     open: Arc<AtomicUsize>,
@@ -423,12 +424,16 @@ impl TinyStore {
         tokio::spawn(async move {
             while let Ok((mut conn, _)) = listener.accept().await {
                 let (open, peak) = (o.clone(), p.clone());
-                let now = open.fetch_add(1, Ordering::SeqCst) + 1;
-                peak.fetch_max(now, Ordering::SeqCst);
                 tokio::spawn(async move {
+                    let mut counted = false;
                     for served in 0..10_000 {
-                        if read_head(&mut conn).await.is_none() {
+                        let Some(request) = read_request_line(&mut conn).await else {
                             break;
+                        };
+                        if !counted && !request.starts_with("GET / ") {
+                            counted = true;
+                            let now = open.fetch_add(1, Ordering::SeqCst) + 1;
+                            peak.fetch_max(now, Ordering::SeqCst);
                         }
                         if close_reused && served > 0 {
                             break;
@@ -443,7 +448,9 @@ impl TinyStore {
                             break;
                         }
                     }
-                    open.fetch_sub(1, Ordering::SeqCst);
+                    if counted {
+                        open.fetch_sub(1, Ordering::SeqCst);
+                    }
                 });
             }
         });
@@ -466,10 +473,6 @@ async fn read_request_line(conn: &mut tokio::net::TcpStream) -> Option<String> {
     }
     let head = String::from_utf8_lossy(&head).into_owned();
     head.lines().next().map(str::to_owned)
-}
-
-async fn read_head(conn: &mut tokio::net::TcpStream) -> Option<()> {
-    read_request_line(conn).await.map(drop)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -573,10 +576,9 @@ async fn requests_waiting_at_the_store_connection_cap_are_served_in_the_order_th
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_request_that_gets_no_store_connection_in_time_says_so_and_that_nothing_was_written() {
-    // One connection, held by an answer whose body takes 2 s to arrive: the next read and
-    // write wait for it until the timeout, and were never sent.
+/// A store whose answer to `GET /slow` takes 2 s to arrive (its head at once, then one body
+/// byte every 200 ms), holding its connection meanwhile; any other request is answered at once.
+async fn slow_body_store() -> SocketAddr {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let store = listener.local_addr().expect("addr");
     tokio::spawn(async move {
@@ -606,6 +608,62 @@ async fn a_request_that_gets_no_store_connection_in_time_says_so_and_that_nothin
             });
         }
     });
+    store
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_connection_cap_in_full_use_is_not_a_store_outage() {
+    // One connection, kept busy for 4 s by two slow reads in a row: the health checks (one a
+    // second, each given up after 1 s) do not wait behind them, and the store stays up.
+    let store = slow_body_store().await;
+    let mut args = proxy_args(store, None);
+    args.upstream_max_connections = 1;
+    args.upstream_timeout_ms = 5000;
+    let running = proxy(args).await;
+    let store_up = r#"turnlock_dependency_up{dependency="store"} 1"#;
+    let up = eventually(Duration::from_secs(3), Duration::from_millis(50), || {
+        let text = running.metrics.encode();
+        async move { text.contains(store_up) }
+    })
+    .await;
+    assert!(up.is_some(), "the store was never checked");
+    let holders: Vec<_> = (0..2)
+        .map(|_| {
+            let addr = running.addr;
+            tokio::spawn(async move {
+                let mut conn = tokio::net::TcpStream::connect(addr).await.expect("connect");
+                conn.write_all(b"GET /slow HTTP/1.1\r\nhost: store\r\nconnection: close\r\n\r\n")
+                    .await
+                    .expect("send");
+                let mut answer = Vec::new();
+                let _ = tokio::time::timeout(Duration::from_secs(10), conn.read_to_end(&mut answer)).await;
+                String::from_utf8_lossy(&answer).into_owned()
+            })
+        })
+        .collect();
+    let store_down = r#"turnlock_dependency_up{dependency="store"} 0"#;
+    for _ in 0..35 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let text = running.metrics.encode();
+        assert!(
+            !text.contains(store_down),
+            "a store connection cap in full use was reported as an outage"
+        );
+    }
+    for holder in holders {
+        let answer = holder.await.expect("holder");
+        assert!(
+            answer.starts_with("HTTP/1.1 200") && answer.ends_with("xxxxxxxxxx"),
+            "{answer}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_that_gets_no_store_connection_in_time_says_so_and_that_nothing_was_written() {
+    // One connection, held by an answer whose body takes 2 s to arrive: the next read and
+    // write wait for it until the timeout, and were never sent.
+    let store = slow_body_store().await;
     let mut args = proxy_args(store, None);
     args.upstream_max_connections = 1;
     args.upstream_timeout_ms = 500;
@@ -651,6 +709,54 @@ async fn a_request_that_gets_no_store_connection_in_time_says_so_and_that_nothin
         held.starts_with("HTTP/1.1 200") && held.ends_with("xxxxxxxxxx"),
         "{held}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_for_a_store_connection_does_not_cut_the_store_s_time_to_answer() {
+    // One store connection, a store taking 400 ms per write-back, a 700 ms timeout, three
+    // writers of three sessions at once: the second write-back waits 400 ms for the
+    // connection and is answered 400 ms after it was sent. Its answer is the store's (the
+    // write was applied), not a 504 with its outcome unknown; the third gets no connection
+    // in time and was never sent.
+    let store = store().await;
+    let front = front_store(store.addr, PutDelay::Every(Duration::from_millis(400))).await;
+    let mut args = proxy_args(front, None);
+    args.upstream_max_connections = 1;
+    args.upstream_timeout_ms = 700;
+    let running = proxy(args).await;
+    let through = client(running.addr);
+    let writes = (0..3).map(|i| {
+        let through = through.clone();
+        async move { try_append(&through, &format!("wait-{i}"), 1, &format!("m{i}"), true, &[]).await }
+    });
+    let answers = futures_util::future::join_all(writes).await;
+    let direct = client(store.addr);
+    let mut applied = 0;
+    for (i, answer) in answers.into_iter().enumerate() {
+        let answer = answer.expect("an answer");
+        let stored = get_doc(&direct, &format!("wait-{i}")).await;
+        let present = stored.status == 200
+            && stored.json["messages"]
+                .as_array()
+                .is_some_and(|m| m.iter().any(|m| m["id"] == format!("m{i}")));
+        match answer.status.as_u16() {
+            200 | 201 => {
+                assert!(present, "write {i} acknowledged but not stored");
+                applied += 1;
+            }
+            502 => {
+                assert!(
+                    !present,
+                    "write {i} answered as not written, but stored: {}",
+                    answer.json
+                );
+                let message = answer.json["message"].as_str().unwrap_or_default();
+                assert!(message.contains("nothing was written"), "{message}");
+            }
+            other => panic!("write {i} answered {other} {} (stored: {present})", answer.json),
+        }
+    }
+    assert!(applied >= 2, "only {applied} of 3 writes applied");
 }
 
 #[test]

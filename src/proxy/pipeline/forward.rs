@@ -85,6 +85,10 @@ pub(super) async fn serialize_one(
         },
         None => None,
     };
+    let conn = match slot.reserve(s, lease, false).await {
+        Ok(conn) => conn,
+        Err(answer) => return (answer, Some(Settled::Unchanged)),
+    };
     // Checked after the read of an object created once: the forward follows at once.
     if !lease.check() {
         return (Answer::from(WriteError::LeaseLost), Some(Settled::Unchanged));
@@ -121,7 +125,7 @@ pub(super) async fn serialize_one(
     }
     let req = Request::from_parts(parts, req_body);
     let started = Instant::now();
-    let result = match s.upstream.send(req).await {
+    let result = match s.upstream.send_reserved(conn, req).await {
         Ok(res) => {
             let status = res.status();
             let mut res_headers = res.headers().clone();
@@ -188,6 +192,10 @@ pub(super) async fn delete_one(
     if let Err(answer) = slot.hold(s, lease).await {
         return (answer, Some(Settled::Unchanged));
     }
+    let conn = match slot.reserve(s, lease, false).await {
+        Ok(conn) => conn,
+        Err(answer) => return (answer, Some(Settled::Unchanged)),
+    };
     if !lease.check() {
         return (Answer::from(WriteError::LeaseLost), Some(Settled::Unchanged));
     }
@@ -208,7 +216,7 @@ pub(super) async fn delete_one(
     *req.uri_mut() = uri;
     *req.headers_mut() = headers;
     let started = Instant::now();
-    let result = match s.upstream.send(req).await {
+    let result = match s.upstream.send_reserved(conn, req).await {
         Ok(res) => {
             let status = res.status();
             let mut res_headers = res.headers().clone();

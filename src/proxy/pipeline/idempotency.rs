@@ -24,7 +24,8 @@ impl Shared {
         let round_trips = 2 * (MAX_ATTEMPTS + 1);
         s.locks.settings().lease * 2
             + s.settings.wait
-            + s.settings.upstream_timeout * round_trips
+            // Each round trip: a wait for a store connection, then the store's answer.
+            + s.settings.upstream_timeout * 2 * round_trips
             + Duration::from_secs(10)
     }
 }

@@ -167,12 +167,12 @@ pub(super) async fn merge_attempts(
             let on_ok = Answer::from(WriteError::Internal("nothing to write"));
             return (refusals(results, &on_ok), false);
         }
-        // The slot must outlive the write-back: extended when the read took long.
-        if slot.held() {
-            if let Err(answer) = slot.hold(s, lease).await {
-                return (refusals(results, &answer), false);
-            }
-        }
+        // The slot must outlive the write-back: extended when the read (or the wait for the
+        // write-back's store connection) took long.
+        let conn = match slot.reserve(s, lease, false).await {
+            Ok(conn) => conn,
+            Err(answer) => return (refusals(results, &answer), false),
+        };
         if !lease.check() {
             return (refusals(results, &Answer::from(WriteError::LeaseLost)), false);
         }
@@ -199,7 +199,7 @@ pub(super) async fn merge_attempts(
         let precondition = fence.precondition();
         let put = s
             .upstream
-            .put_document_with(path, body, &precondition, lease.fence(), store);
+            .put_document_with(conn, path, body.clone(), &precondition, lease.fence(), store);
         let snapshot = async {
             tokio::task::yield_now().await;
             s.settings
@@ -207,6 +207,22 @@ pub(super) async fn merge_attempts(
                 .then(|| written.snapshot_json(new_version, &mut lock(&digests)))
         };
         let (put, snapshot) = tokio::join!(put, snapshot);
+        // The slot is left to expire after a write-back that may still land (see `merge_batch`).
+        let mut may_land_late = false;
+        let put = match put {
+            Err(first) if first.outcome_unknown() && matches!(precondition, Precondition::IfMatch(_)) => {
+                may_land_late = matches!(first, UpstreamError::Timeout(_));
+                let again = WriteBack {
+                    path,
+                    body,
+                    precondition: &precondition,
+                    store,
+                    version: new_version,
+                };
+                again.resolve(s, lease, slot, first).await
+            }
+            other => other,
+        };
         match put {
             Ok(etag) => {
                 // Only a merged PUT reads a snapshot back: without such a route none is kept.
@@ -232,7 +248,7 @@ pub(super) async fn merge_attempts(
                         Err(e) => refused(s, e),
                     })
                     .collect();
-                return (answers, false);
+                return (answers, may_land_late);
             }
             Err(UpstreamError::PreconditionFailed) => {
                 // Decided now, not before the write-back: a re-read must start within the lease.
@@ -249,6 +265,70 @@ pub(super) async fn merge_attempts(
                 return (refusals(results, &Answer::from(WriteError::Upstream(e))), unknown);
             }
         }
+    }
+}
+
+/// A write-back sent under the store's `If-Match`, to resolve when its outcome is unknown.
+struct WriteBack<'a> {
+    path: &'a str,
+    body: Bytes,
+    precondition: &'a Precondition,
+    store: &'a StoreParts,
+    /// The version it writes.
+    version: u64,
+}
+
+impl WriteBack<'_> {
+    /// Resolves a write-back whose outcome is unknown (its connection cut before the answer,
+    /// or no answer in time) under the store's `If-Match`, which only one of two identical
+    /// writes can meet: sent once more, on a new connection, still under the commit slot. A
+    /// success means this one applied (the first, should it still arrive, meets a moved tag
+    /// and is refused); a refusal means the first one landed, which the document read back
+    /// at the version written confirms (nothing else commits under this writer's slot).
+    /// Anything else leaves the outcome unknown: `first` is the answer.
+    async fn resolve(
+        self,
+        s: &Shared,
+        lease: &Lease,
+        slot: &mut SlotHold,
+        first: UpstreamError,
+    ) -> Result<Option<HeaderValue>, UpstreamError> {
+        if !lease.check() {
+            return Err(first);
+        }
+        let Ok(conn) = slot.reserve(s, lease, true).await else {
+            return Err(first);
+        };
+        tracing::info!(error = %first, "write-back's outcome unknown; sent once more under the store's If-Match");
+        s.metrics.upstream_retry();
+        let again = s
+            .upstream
+            .put_document_with(
+                conn,
+                self.path,
+                self.body.clone(),
+                self.precondition,
+                lease.fence(),
+                self.store,
+            )
+            .await;
+        match again {
+            Ok(etag) => Ok(etag),
+            Err(UpstreamError::PreconditionFailed) => {
+                match s.upstream.get_document_raw_with(self.path, self.store).await {
+                    Ok(read) if read.body.as_deref().is_some_and(|b| self.is_this_write(b)) => Ok(read.etag),
+                    _ => Err(first),
+                }
+            }
+            Err(_) => Err(first),
+        }
+    }
+
+    /// Whether a document read back is the one this write-back wrote: the same bytes, or
+    /// (a store that rewrites what it stores) the version it wrote.
+    fn is_this_write(&self, stored: &[u8]) -> bool {
+        stored == self.body.as_ref()
+            || crate::upstream::parse_document(stored).is_ok_and(|doc| merge::version_of(&doc) == self.version)
     }
 }
 

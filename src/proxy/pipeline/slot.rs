@@ -11,6 +11,7 @@ use crate::lock::{Lease, Settled, Slot, SlotRelease};
 use crate::proxy::answer::Answer;
 use crate::proxy::error::WriteError;
 use crate::session::Scope;
+use crate::upstream::Reserved;
 
 /// A writer's hold on a document's commit slot, for the length of one grant.
 pub(super) struct SlotHold {
@@ -42,10 +43,6 @@ impl SlotHold {
             settled: Settled::Unchanged,
             abandoned: false,
         }
-    }
-
-    pub(super) fn held(&self) -> bool {
-        self.since.is_some()
     }
 
     /// Takes the slot, or extends it when it was taken more than half a lease ago, so that
@@ -83,6 +80,22 @@ impl SlotHold {
                 Err(e) => return Err(Answer::from(WriteError::LockUnavailable(e.to_string()))),
             }
         }
+    }
+
+    /// A store connection for a write made under the slot, then the slot held (extended when
+    /// it was taken more than half a lease ago): the wait for a connection at the cap is not
+    /// taken from the slot's life, which so outlives the store's answer to a write sent now.
+    /// A write that gets no connection in time was never sent (502, nothing written).
+    /// With `fresh`, the connection is a new one (see [`crate::upstream::Upstream::reserve_fresh`]).
+    pub(super) async fn reserve(&mut self, s: &Shared, lease: &Lease, fresh: bool) -> Result<Reserved, Answer> {
+        let conn = if fresh {
+            s.upstream.reserve_fresh().await
+        } else {
+            s.upstream.reserve().await
+        };
+        let conn = conn.map_err(|e| Answer::from(WriteError::Upstream(e)))?;
+        self.hold(s, lease).await?;
+        Ok(conn)
     }
 
     /// Records what the store did with a write made under the slot (stored at the release).

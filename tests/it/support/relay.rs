@@ -3,7 +3,7 @@
 //! and responses passing through (hold, delay, fail, reset, lose the answer).
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -36,6 +36,11 @@ pub enum OnPut {
     Fail500,
     /// The connection is reset; the server never sees it.
     Reset,
+    /// The next PUT's connection is reset (the server never sees it); the rule is then `Pass`.
+    ResetOnce,
+    /// The next PUT reaches the server, and its connection is closed when the answer comes
+    /// (the client never sees it); the rule is then `Pass`.
+    LoseAnswerOnce,
 }
 
 pub struct Relay {
@@ -182,11 +187,13 @@ async fn connection(client: TcpStream, shared: Arc<Shared>) {
     let (client_r, client_w) = client.into_split();
     let (server_r, server_w) = server.into_split();
     let client_w = Arc::new(tokio::sync::Mutex::new(client_w));
+    // Set when this connection's next answer is to be lost.
+    let lose_answer = Arc::new(AtomicBool::new(false));
     let up = pump(
         client_r,
         Out::Server(server_w),
         client_w.clone(),
-        shared.clone(),
+        (shared.clone(), lose_answer.clone()),
         conn.clone(),
         true,
     );
@@ -194,7 +201,7 @@ async fn connection(client: TcpStream, shared: Arc<Shared>) {
         server_r,
         Out::Client(client_w.clone()),
         client_w,
-        shared.clone(),
+        (shared.clone(), lose_answer),
         conn.clone(),
         false,
     );
@@ -241,7 +248,7 @@ async fn pump(
     mut from: OwnedReadHalf,
     mut to: Out,
     client_w: Arc<tokio::sync::Mutex<OwnedWriteHalf>>,
-    shared: Arc<Shared>,
+    (shared, lose_answer): (Arc<Shared>, Arc<AtomicBool>),
     conn: CancellationToken,
     to_server: bool,
 ) {
@@ -259,9 +266,17 @@ async fn pump(
         }
         let chunk = &buf[..n];
         if to_server && chunk.starts_with(b"PUT ") {
-            let rule = *shared.on_put.lock().expect("relay rule");
+            let rule = {
+                let mut rule = shared.on_put.lock().expect("relay rule");
+                let now = *rule;
+                if matches!(now, OnPut::ResetOnce | OnPut::LoseAnswerOnce) {
+                    *rule = OnPut::Pass;
+                }
+                now
+            };
             match rule {
                 OnPut::Pass => {}
+                OnPut::LoseAnswerOnce => lose_answer.store(true, Ordering::SeqCst),
                 OnPut::Hold => {
                     let mut gate = shared.gate.subscribe();
                     gate.mark_unchanged();
@@ -297,7 +312,7 @@ async fn pump(
                     conn.cancel();
                     return;
                 }
-                OnPut::Reset => {
+                OnPut::Reset | OnPut::ResetOnce => {
                     let w = client_w.lock().await;
                     #[allow(deprecated)]
                     let _ = w.as_ref().set_linger(Some(Duration::ZERO));
@@ -305,6 +320,11 @@ async fn pump(
                     return;
                 }
             }
+        }
+        if !to_server && chunk.starts_with(b"HTTP/1.") && lose_answer.swap(false, Ordering::SeqCst) {
+            shared.lost_responses.fetch_add(1, Ordering::SeqCst);
+            conn.cancel();
+            return;
         }
         if !to_server && chunk.starts_with(b"HTTP/1.") {
             let every = shared.lose_every.load(Ordering::SeqCst);
