@@ -611,6 +611,25 @@ async fn slow_body_store() -> SocketAddr {
     store
 }
 
+/// A raw `GET /slow` through the proxy at `addr` (holding one of its store connections for
+/// 2 s): its whole answer, as text.
+fn slow_read(addr: SocketAddr) -> tokio::task::JoinHandle<String> {
+    tokio::spawn(async move {
+        let mut conn = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        conn.write_all(b"GET /slow HTTP/1.1\r\nhost: store\r\nconnection: close\r\n\r\n")
+            .await
+            .expect("send");
+        let mut answer = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(10), conn.read_to_end(&mut answer)).await;
+        String::from_utf8_lossy(&answer).into_owned()
+    })
+}
+
+/// Whether a [`slow_read`] got its whole answer.
+fn read_whole(answer: &str) -> bool {
+    answer.starts_with("HTTP/1.1 200") && answer.ends_with("xxxxxxxxxx")
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_connection_cap_in_full_use_is_not_a_store_outage() {
     // One connection, kept busy for 4 s by two slow reads in a row: the health checks (one a
@@ -627,20 +646,7 @@ async fn a_store_connection_cap_in_full_use_is_not_a_store_outage() {
     })
     .await;
     assert!(up.is_some(), "the store was never checked");
-    let holders: Vec<_> = (0..2)
-        .map(|_| {
-            let addr = running.addr;
-            tokio::spawn(async move {
-                let mut conn = tokio::net::TcpStream::connect(addr).await.expect("connect");
-                conn.write_all(b"GET /slow HTTP/1.1\r\nhost: store\r\nconnection: close\r\n\r\n")
-                    .await
-                    .expect("send");
-                let mut answer = Vec::new();
-                let _ = tokio::time::timeout(Duration::from_secs(10), conn.read_to_end(&mut answer)).await;
-                String::from_utf8_lossy(&answer).into_owned()
-            })
-        })
-        .collect();
+    let holders: Vec<_> = (0..2).map(|_| slow_read(running.addr)).collect();
     let store_down = r#"turnlock_dependency_up{dependency="store"} 0"#;
     for _ in 0..35 {
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -652,10 +658,7 @@ async fn a_store_connection_cap_in_full_use_is_not_a_store_outage() {
     }
     for holder in holders {
         let answer = holder.await.expect("holder");
-        assert!(
-            answer.starts_with("HTTP/1.1 200") && answer.ends_with("xxxxxxxxxx"),
-            "{answer}"
-        );
+        assert!(read_whole(&answer), "{answer}");
     }
 }
 
@@ -668,16 +671,7 @@ async fn a_request_that_gets_no_store_connection_in_time_says_so_and_that_nothin
     args.upstream_max_connections = 1;
     args.upstream_timeout_ms = 500;
     let running = proxy(args).await;
-    let running_addr = running.addr;
-    let holder = tokio::spawn(async move {
-        let mut conn = tokio::net::TcpStream::connect(running_addr).await.expect("connect");
-        conn.write_all(b"GET /slow HTTP/1.1\r\nhost: store\r\nconnection: close\r\n\r\n")
-            .await
-            .expect("send");
-        let mut answer = Vec::new();
-        let _ = tokio::time::timeout(Duration::from_secs(5), conn.read_to_end(&mut answer)).await;
-        String::from_utf8_lossy(&answer).into_owned()
-    });
+    let holder = slow_read(running.addr);
     tokio::time::sleep(Duration::from_millis(100)).await;
     let client = client(running.addr);
     let started = Instant::now();
@@ -705,10 +699,7 @@ async fn a_request_that_gets_no_store_connection_in_time_says_so_and_that_nothin
     }
     let message = write.json["message"].as_str().unwrap_or_default();
     assert!(message.contains("nothing was written"), "{message}");
-    assert!(
-        held.starts_with("HTTP/1.1 200") && held.ends_with("xxxxxxxxxx"),
-        "{held}"
-    );
+    assert!(read_whole(&held), "{held}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
