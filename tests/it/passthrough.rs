@@ -321,6 +321,45 @@ async fn open_websocket_tunnels_do_not_take_the_store_connections_requests_need(
     }
 }
 
+/// A store that switches protocols (101) for any request but the health check's `GET /`.
+async fn switching_store() -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                while let Some(head) = read_head(&mut stream).await {
+                    if !head.starts_with("GET / ") {
+                        let _ = stream
+                            .write_all(b"HTTP/1.1 101 Switching Protocols\r\nupgrade: other\r\nconnection: upgrade\r\n\r\nnot http")
+                            .await;
+                        return;
+                    }
+                    if stream
+                        .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+                        .await
+                        .is_err()
+                    {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_protocol_switch_nobody_asked_for_is_a_502_not_passed_on() {
+    let running = proxy(proxy_args(switching_store().await, None)).await;
+    let reply = get_doc(&client(running.addr), "s1").await;
+    assert_eq!(reply.status.as_u16(), 502, "{}", reply.json);
+    assert_eq!(reply.json["error"], "upstream_error", "{}", reply.json);
+    // The proxy goes on serving.
+    let again = get_doc(&client(running.addr), "s2").await;
+    assert_eq!(again.status.as_u16(), 502, "{}", again.json);
+}
+
 /// A store that answers with the `X-Forwarded-For` it was sent.
 async fn forwarded_for_store() -> SocketAddr {
     serve(|req: Request<Incoming>| async move {
