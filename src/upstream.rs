@@ -248,6 +248,20 @@ impl Upstream {
         self.pool.reserve(Instant::now() + self.timeout).await
     }
 
+    /// [`Upstream::send`] on the connection `reserved` holds, which stays there for the next
+    /// request (see [`pool::Pool::send_keeping`]).
+    pub async fn send_keeping(
+        &self,
+        reserved: &mut Reserved,
+        mut req: Request<Body>,
+    ) -> Result<Response<Incoming>, UpstreamError> {
+        self.add_headers(&mut req);
+        let deadline = Instant::now() + self.timeout;
+        self.pool
+            .send_keeping(reserved, req, deadline, Some(self.timeout))
+            .await
+    }
+
     /// Like [`Upstream::reserve`], a connection opened for the request (one the store cannot
     /// have closed while it was idle).
     pub async fn reserve_fresh(&self) -> Result<Reserved, UpstreamError> {

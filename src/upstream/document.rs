@@ -73,6 +73,35 @@ impl Upstream {
     /// when configured to (as [`Upstream::get_document_with`]).
     pub async fn get_document_raw_with(&self, path: &str, store: &StoreParts) -> Result<FetchedRaw, UpstreamError> {
         let started = Instant::now();
+        let res = self.send_safe(self.document_read(path, store)?).await;
+        self.read_answered(res, started).await
+    }
+
+    /// Like [`Upstream::get_document_raw_with`], on the connection `conn` holds, which stays
+    /// there for the write-back (see [`Upstream::send_keeping`]). A read that failed before
+    /// any answer (a connection the store had closed) is sent once more on a new connection,
+    /// which is then the one kept.
+    pub async fn get_document_raw_on(
+        &self,
+        conn: &mut super::Reserved,
+        path: &str,
+        store: &StoreParts,
+    ) -> Result<FetchedRaw, UpstreamError> {
+        let started = Instant::now();
+        let res = match self.send_keeping(conn, self.document_read(path, store)?).await {
+            Err(UpstreamError::Unreachable(_) | UpstreamError::NotSent(_)) if started.elapsed() < self.timeout() => {
+                self.metrics.upstream_retry();
+                *conn = self.reserve_fresh().await?;
+                self.send_keeping(conn, self.document_read(path, store)?).await
+            }
+            other => other,
+        };
+        self.read_answered(res, started).await
+    }
+
+    /// turnlock's read of a document, with the client's credentials (its `Authorization`,
+    /// when the store's dialect keeps it) or signed by turnlock.
+    fn document_read(&self, path: &str, store: &StoreParts) -> Result<Request<crate::http::Body>, UpstreamError> {
         let mut req = Request::builder()
             .method(Method::GET)
             .uri(self.uri(path).map_err(|e| UpstreamError::NotSent(e.to_string()))?)
@@ -83,7 +112,15 @@ impl Upstream {
             req.headers_mut().insert(header::AUTHORIZATION, auth.clone());
         }
         self.sign(&mut req, b"")?;
-        let res = self.send_safe(req).await;
+        Ok(req)
+    }
+
+    /// The document in the store's answer to a read: `None` on 404.
+    async fn read_answered(
+        &self,
+        res: Result<http::Response<hyper::body::Incoming>, UpstreamError>,
+        started: Instant,
+    ) -> Result<FetchedRaw, UpstreamError> {
         self.answered("get", &res);
         let result = match res {
             Err(e) => Err(e),

@@ -130,7 +130,7 @@ impl Pool {
         deadline: Instant,
         answer_within: Option<Duration>,
     ) -> impl Future<Output = Result<Response<Incoming>, UpstreamError>> + Send + '_ {
-        self.send_on(None, req, deadline, answer_within)
+        self.send_on(None, req, deadline, answer_within, None)
     }
 
     /// A connection for a request still to be made, waiting for one until `deadline` as
@@ -156,7 +156,28 @@ impl Pool {
         deadline: Instant,
         answer_within: Option<Duration>,
     ) -> impl Future<Output = Result<Response<Incoming>, UpstreamError>> + Send + '_ {
-        self.send_on(reserved.conn.take(), req, deadline, answer_within)
+        self.send_on(reserved.conn.take(), req, deadline, answer_within, None)
+    }
+
+    /// Like [`Pool::send_reserved`], and the connection that carried the request stays in
+    /// `reserved` for the next one (a write-back after its document's read: it does not
+    /// queue at the cap a second time). It takes the next request once this answer's body
+    /// is read; one the store closed meanwhile is passed over for another.
+    pub async fn send_keeping(
+        &self,
+        reserved: &mut Reserved,
+        req: Request<Body>,
+        deadline: Instant,
+        answer_within: Option<Duration>,
+    ) -> Result<Response<Incoming>, UpstreamError> {
+        let mut conn = reserved.conn.take();
+        if let Some(c) = conn.as_mut() {
+            if !c.tx.is_ready() && !matches!(tokio::time::timeout_at(deadline, c.tx.ready()).await, Ok(Ok(()))) {
+                conn = None;
+            }
+        }
+        self.send_on(conn, req, deadline, answer_within, Some(&mut reserved.conn))
+            .await
     }
 
     /// Like [`Pool::send`], on a connection opened for this request (one that cannot be
@@ -168,7 +189,8 @@ impl Pool {
         answer_within: Option<Duration>,
     ) -> Result<Response<Incoming>, UpstreamError> {
         let mut reserved = self.reserve_fresh(deadline).await?;
-        self.send_on(reserved.conn.take(), req, deadline, answer_within).await
+        self.send_on(reserved.conn.take(), req, deadline, answer_within, None)
+            .await
     }
 
     /// Like [`Pool::reserve`], a connection opened for the request to come (one that cannot
@@ -195,7 +217,8 @@ impl Pool {
         })
     }
 
-    /// Sends `req` on `conn`, or on a connection from the pool. The futures of this path are
+    /// Sends `req` on `conn`, or on a connection from the pool; the connection that carried
+    /// it goes back to the pool, or into `keep` when given. The futures of this path are
     /// kept small (a request's own future holds them): taking an idle connection is not
     /// awaited, and opening one or waiting for one is boxed.
     async fn send_on(
@@ -204,6 +227,7 @@ impl Pool {
         mut req: Request<Body>,
         deadline: Instant,
         answer_within: Option<Duration>,
+        keep: Option<&mut Option<Taken>>,
     ) -> Result<Response<Incoming>, UpstreamError> {
         self.prepare(&mut req);
         let mut conn = match conn.or_else(|| self.take_idle()) {
@@ -224,6 +248,8 @@ impl Pool {
                     if res.status() == http::StatusCode::SWITCHING_PROTOCOLS {
                         // A tunnel now: no longer one of the store connections requests share.
                         conn.slot.release();
+                    } else if let Some(keep) = keep {
+                        *keep = Some(Taken { reused: true, ..conn });
                     } else if conn.slot.capped() {
                         self.give_back(conn.tx, conn.slot);
                     }
@@ -335,8 +361,14 @@ impl Pool {
             Some(conn) => conn,
             None => Box::pin(self.open_permit(self.shared.connector.try_permit())).await?,
         };
-        self.send_on(Some(conn), req, Instant::now() + answer_within, Some(answer_within))
-            .await
+        self.send_on(
+            Some(conn),
+            req,
+            Instant::now() + answer_within,
+            Some(answer_within),
+            None,
+        )
+        .await
     }
 
     /// Opens a connection under `permit` and starts its task.

@@ -750,6 +750,44 @@ async fn waiting_for_a_store_connection_does_not_cut_the_store_s_time_to_answer(
     assert!(applied >= 2, "only {applied} of 3 writes applied");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_at_the_store_connection_cap_queues_once_not_for_its_read_and_again_for_its_write_back() {
+    // One connection, 100 ms per request, five reads queued while a write reads its
+    // document: the write-back goes out on the read's connection (about 200 ms in all), not
+    // behind the five reads (about 700 ms), its lock held all the while.
+    let store = store().await;
+    let front = front_store(store.addr, PutDelay::All(Duration::from_millis(100))).await;
+    let mut args = proxy_args(front, None);
+    args.upstream_max_connections = 1;
+    let running = proxy(args).await;
+    let through = client(running.addr);
+    let writer = {
+        let through = through.clone();
+        tokio::spawn(async move {
+            let started = Instant::now();
+            let reply = try_append(&through, "queued-once", 1, "w1", true, &[]).await;
+            (reply, started.elapsed())
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    let readers: Vec<_> = (0..5)
+        .map(|i| {
+            let through = through.clone();
+            tokio::spawn(async move { get_doc(&through, &format!("reader-{i}")).await.status.as_u16() })
+        })
+        .collect();
+    let (reply, took) = writer.await.expect("writer");
+    let reply = reply.expect("an answer");
+    assert!(reply.status.is_success(), "{} {}", reply.status, reply.json);
+    for r in readers {
+        assert_eq!(r.await.expect("reader"), 404);
+    }
+    assert!(
+        took < Duration::from_millis(450),
+        "the write took {took:?}: its write-back queued behind the reads"
+    );
+}
+
 #[test]
 fn health_subcommand_gives_up_before_the_image_healthcheck_does() {
     // A listener that accepts and never answers.

@@ -102,8 +102,15 @@ pub(super) async fn merge_attempts(
         }
         let store = store_parts(batch);
         let dialect = store.dialect;
-        let fetched = match s.upstream.get_document_raw_with(path, store).await {
-            Ok(f) => f,
+        // The read's connection is kept for the write-back: at the connection cap a write
+        // queues once, not once for its read and again for its write-back (its lock held).
+        let read = async {
+            let mut conn = s.upstream.reserve().await?;
+            let fetched = s.upstream.get_document_raw_on(&mut conn, path, store).await?;
+            Ok((conn, fetched))
+        };
+        let (conn, fetched) = match read.await {
+            Ok(read) => read,
             Err(e) => return (vec![Answer::from(WriteError::ReadFailed(e)); batch.len()], false),
         };
         let created = fetched.body.is_none();
@@ -167,12 +174,11 @@ pub(super) async fn merge_attempts(
             let on_ok = Answer::from(WriteError::Internal("nothing to write"));
             return (refusals(results, &on_ok), false);
         }
-        // The slot must outlive the write-back: extended when the read (or the wait for the
-        // write-back's store connection) took long.
-        let conn = match slot.reserve(s, lease, false).await {
-            Ok(conn) => conn,
-            Err(answer) => return (refusals(results, &answer), false),
-        };
+        // The slot must outlive the write-back: extended when the read took long (the
+        // write-back's connection is in hand: no wait comes between this and its send).
+        if let Err(answer) = slot.hold(s, lease).await {
+            return (refusals(results, &answer), false);
+        }
         if !lease.check() {
             return (refusals(results, &Answer::from(WriteError::LeaseLost)), false);
         }

@@ -50,6 +50,8 @@ pub enum PutDelay {
     /// The first PUT is applied at once but answered only after this delay: the write lands
     /// even when the proxy has stopped waiting for it.
     FirstAnswer(Duration),
+    /// Every request, reads included, reaches the store only after this delay.
+    All(Duration),
 }
 
 /// A store in front of the reference store at `target` that forwards every request (with its
@@ -62,8 +64,9 @@ pub async fn front_store(target: SocketAddr, delay: PutDelay) -> SocketAddr {
         async move {
             let forwarded = Forwarded::read(req).await;
             let is_put = forwarded.method == Method::PUT;
-            if let (true, PutDelay::Every(d)) = (is_put, delay) {
-                tokio::time::sleep(d).await;
+            match (is_put, delay) {
+                (true, PutDelay::Every(d)) | (_, PutDelay::All(d)) => tokio::time::sleep(d).await,
+                _ => {}
             }
             // Applied on a task of its own: whether the client still waits or not.
             let applied = tokio::spawn(forwarded.send(direct)).await;
