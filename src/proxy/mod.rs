@@ -274,34 +274,73 @@ fn log_write(route: &str, session: &str, turn: u64, answer: &answer::Answer, sta
 }
 
 /// What HTTP asks of any server before a route is looked at: `CONNECT` is not served
-/// (turnlock forwards requests to its store, it opens no tunnels: 501); an HTTP/1.1 request
-/// read off a connection names its host in exactly one `Host` (RFC 9112 §3.2: 400 otherwise;
-/// a request built in memory, for the service used as a library, need not); a body is framed by
-/// `Content-Length` or `chunked` alone (another transfer coding, such as `gzip`, would reach
-/// the store or the merge still coded: 501, RFC 9112 §6.1).
+/// (turnlock forwards requests to its store, it opens no tunnels: 501), nor a standard
+/// method spelled in another case (`put`: methods are case-sensitive, so it is no write to
+/// turnlock, and a store that reads it as `PUT` would take a write past the lock: 501); a
+/// request read off a connection names its host in one valid `Host`, which HTTP/1.1 requires
+/// (RFC 9112 §3.2: 400 otherwise; a request built in memory, for the service used as a
+/// library, need not); a body is framed by `Content-Length` or by `chunked` once (another
+/// transfer coding, such as `gzip`, or `chunked` twice, would reach the store or the merge
+/// still coded: 501, RFC 9112 §6.1).
 fn check_framing(req: &Request<Body>) -> Result<(), EdgeError> {
-    if req.method() == http::Method::CONNECT {
+    use http::Method;
+    const STANDARD: [Method; 9] = [
+        Method::GET,
+        Method::HEAD,
+        Method::POST,
+        Method::PUT,
+        Method::DELETE,
+        Method::PATCH,
+        Method::OPTIONS,
+        Method::TRACE,
+        Method::CONNECT,
+    ];
+    let method = req.method();
+    if method == Method::CONNECT {
         return Err(EdgeError::NotImplemented {
             code: "method_not_supported",
             message: "CONNECT is not supported: turnlock forwards requests to its store and opens no tunnels".into(),
         });
     }
-    if req.version() == http::Version::HTTP_11 && req.extensions().get::<crate::server::Conn>().is_some() {
+    if !STANDARD.contains(method)
+        && STANDARD
+            .iter()
+            .any(|m| m.as_str().eq_ignore_ascii_case(method.as_str()))
+    {
+        return Err(EdgeError::NotImplemented {
+            code: "method_not_supported",
+            message: format!(
+                "method {method:?} is not supported: methods are case-sensitive, and {:?} is spelled so",
+                method.as_str().to_ascii_uppercase()
+            ),
+        });
+    }
+    if req.extensions().get::<crate::server::Conn>().is_some() {
         let mut hosts = req.headers().get_all(header::HOST).iter();
-        if hosts.next().is_none() || hosts.next().is_some() {
+        let host = hosts.next();
+        let valid = match host {
+            None => req.version() != http::Version::HTTP_11,
+            // Empty when the target has no authority (RFC 9110 §7.2).
+            Some(h) => h.is_empty() || http::uri::Authority::try_from(h.as_bytes()).is_ok(),
+        };
+        if !valid || hosts.next().is_some() {
             return Err(EdgeError::Invalid {
                 code: "invalid_host",
-                message: "an HTTP/1.1 request names its host in exactly one Host header".into(),
+                message: "a request names its host in one valid Host header (HTTP/1.1 requires it)".into(),
             });
         }
     }
-    for coding in req.headers().get_all(header::TRANSFER_ENCODING) {
-        let coding = coding.to_str().unwrap_or("?");
-        if coding.split(',').any(|c| !c.trim().eq_ignore_ascii_case("chunked")) {
-            return Err(EdgeError::NotImplemented {
-                code: "unsupported_transfer_coding",
-                message: format!("Transfer-Encoding {coding:?} is not supported: only chunked is"),
-            });
+    let mut codings = 0;
+    for line in req.headers().get_all(header::TRANSFER_ENCODING) {
+        let line = line.to_str().unwrap_or("?");
+        for coding in line.split(',') {
+            codings += 1;
+            if codings > 1 || !coding.trim().eq_ignore_ascii_case("chunked") {
+                return Err(EdgeError::NotImplemented {
+                    code: "unsupported_transfer_coding",
+                    message: format!("Transfer-Encoding {line:?} is not supported: only chunked, once, is"),
+                });
+            }
         }
     }
     Ok(())

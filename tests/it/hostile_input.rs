@@ -522,8 +522,9 @@ async fn a_body_that_never_arrives_is_refused_with_408() {
 }
 
 /// What HTTP itself refuses is answered before any route and never reaches the store: a
-/// `CONNECT` (501), an HTTP/1.1 request without exactly one `Host` (400), a transfer coding
-/// other than `chunked` (501: the body would reach the store or the merge still coded).
+/// `CONNECT` or a standard method in another case (501), a request without one valid `Host`
+/// where it needs one (400), a transfer coding other than `chunked` once (501: the body
+/// would reach the store or the merge still coded).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_http_itself_refuses_are_answered_before_any_route_and_never_forwarded() {
     use std::sync::atomic::{AtomicUsize, Ordering};
@@ -558,6 +559,35 @@ async fn requests_http_itself_refuses_are_answered_before_any_route_and_never_fo
             b"GET /v1/sessions/a HTTP/1.1\r\nhost: a\r\nhost: b\r\nconnection: close\r\n\r\n".to_vec(),
             400,
             "invalid_host",
+        ),
+        (
+            "two Hosts in HTTP/1.0",
+            b"GET /v1/sessions/a HTTP/1.0\r\nhost: a\r\nhost: b\r\n\r\n".to_vec(),
+            400,
+            "invalid_host",
+        ),
+        (
+            "a Host that names no host",
+            b"GET /v1/sessions/a HTTP/1.1\r\nhost: a, b\r\nconnection: close\r\n\r\n".to_vec(),
+            400,
+            "invalid_host",
+        ),
+        (
+            "a write's method in lower case",
+            request("put", "/v1/sessions/a", &[JSON], r#"{"turn": 1, "messages": []}"#),
+            501,
+            "method_not_supported",
+        ),
+        (
+            "chunked twice, passed through",
+            request(
+                "POST",
+                "/files/a",
+                &[("transfer-encoding", "chunked, chunked")],
+                chunked,
+            ),
+            501,
+            "unsupported_transfer_coding",
         ),
         (
             "gzip-coded write",
