@@ -467,9 +467,20 @@ async fn a_write_back_cut_before_its_answer_is_resolved_not_left_unknown() {
     let p = proxy(args(&relay.url("http"), &redis.url())).await;
     let (c, direct) = (client(p.addr), client(store.addr));
     let ledger = Ledger::default();
-    for (name, rule) in [("never-sent", OnPut::ResetOnce), ("answer-lost", OnPut::LoseAnswerOnce)] {
+    let cases = [
+        ("never-sent", OnPut::ResetOnce, true),
+        ("answer-lost", OnPut::LoseAnswerOnce, true),
+        // The session's first write: created under `If-None-Match: *`.
+        ("create-never-sent", OnPut::ResetOnce, false),
+        ("create-answer-lost", OnPut::LoseAnswerOnce, false),
+    ];
+    let mut sessions = Vec::new();
+    for (name, rule, seeded) in cases {
         let s = format!("cut-{name}");
-        assert!(write_until_acked(&c, &ledger, &s, 1, &format!("{s}-seed")).await);
+        sessions.push(s.clone());
+        if seeded {
+            assert!(write_until_acked(&c, &ledger, &s, 1, &format!("{s}-seed")).await);
+        }
         relay.on_put(rule);
         let token = format!("{s}-write");
         let reply = try_append(&c, &s, 1, &token, true, &[]).await.expect("an HTTP answer");
@@ -496,9 +507,48 @@ async fn a_write_back_cut_before_its_answer_is_resolved_not_left_unknown() {
         );
         record(&ledger, &AtomicU64::new(0), &s, 2, &format!("{s}-next"), Ok(next));
     }
-    let sessions = ["cut-never-sent".to_owned(), "cut-answer-lost".to_owned()];
     let counts = check(store.addr, &sessions, &[&ledger]).await;
     report("write-back connection cut before its answer", &counts);
+    assert!(counts.clean(), "{counts:?}");
+    assert!(
+        relay.lost_responses() == 2,
+        "the answers were not lost: the fault did not happen"
+    );
+    assert_no_locks_left(&redis).await;
+    p.stop().await;
+}
+
+/// Fault 5c: The same cuts at a store that gives no ETags: the write-back is sent once more
+/// (the same bytes, under the commit slot) and answered as applied exactly when it is
+/// stored. Nothing the store checks would refuse the first copy arriving late, so the
+/// session's commit slot is still left to lapse.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_back_cut_at_a_store_without_etags_is_answered_as_stored() {
+    let redis = RedisServer::start();
+    let store = store_without_etags().await;
+    let relay = Relay::start(store.addr).await;
+    let p = proxy(args(&relay.url("http"), &redis.url())).await;
+    let (c, direct) = (client(p.addr), client(store.addr));
+    let ledger = Ledger::default();
+    let mut sessions = Vec::new();
+    for (name, rule) in [("never-sent", OnPut::ResetOnce), ("answer-lost", OnPut::LoseAnswerOnce)] {
+        let s = format!("cut-plain-{name}");
+        sessions.push(s.clone());
+        assert!(write_until_acked(&c, &ledger, &s, 1, &format!("{s}-seed")).await);
+        relay.on_put(rule);
+        let token = format!("{s}-write");
+        let reply = try_append(&c, &s, 1, &token, true, &[]).await.expect("an HTTP answer");
+        let landed = message_ids(&get_doc(&direct, &s).await.json).contains(&token);
+        eprintln!("{name}: {} {} (stored: {landed})", reply.status, reply.json);
+        assert!(reply.status.is_success(), "{name}: {} {}", reply.status, reply.json);
+        assert!(landed, "{name}: acknowledged but not stored");
+        record(&ledger, &AtomicU64::new(0), &s, 1, &token, Ok(reply));
+    }
+    let counts = check(store.addr, &sessions, &[&ledger]).await;
+    report(
+        "write-back connection cut before its answer, store without ETags",
+        &counts,
+    );
     assert!(counts.clean(), "{counts:?}");
     assert!(
         relay.lost_responses() == 1,

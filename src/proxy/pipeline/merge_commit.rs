@@ -216,8 +216,8 @@ pub(super) async fn merge_attempts(
         // The slot is left to expire after a write-back that may still land (see `merge_batch`).
         let mut may_land_late = false;
         let put = match put {
-            Err(first) if first.outcome_unknown() && matches!(precondition, Precondition::IfMatch(_)) => {
-                may_land_late = matches!(first, UpstreamError::Timeout(_));
+            Err(first) if first.outcome_unknown() => {
+                let timed_out = matches!(first, UpstreamError::Timeout(_));
                 let again = WriteBack {
                     path,
                     body,
@@ -225,7 +225,18 @@ pub(super) async fn merge_attempts(
                     store,
                     version: new_version,
                 };
-                again.resolve(s, lease, slot, first).await
+                let resolved = again.resolve(s, lease, slot, first).await;
+                // Whether the first write-back, should it still arrive, would be refused by
+                // the store: under `If-Match` (the tag has moved), or under `If-None-Match: *`
+                // at a store that gives ETags (the document exists now). Otherwise only the
+                // commit slot orders it: left to lapse.
+                let refused_if_late = match &precondition {
+                    Precondition::IfMatch(_) => true,
+                    Precondition::Absent => matches!(&resolved, Ok(Some(_))),
+                    Precondition::None => false,
+                };
+                may_land_late = timed_out || !refused_if_late;
+                resolved
             }
             other => other,
         };
@@ -274,7 +285,7 @@ pub(super) async fn merge_attempts(
     }
 }
 
-/// A write-back sent under the store's `If-Match`, to resolve when its outcome is unknown.
+/// A write-back, to resolve when its outcome is unknown.
 struct WriteBack<'a> {
     path: &'a str,
     body: Bytes,
@@ -286,12 +297,13 @@ struct WriteBack<'a> {
 
 impl WriteBack<'_> {
     /// Resolves a write-back whose outcome is unknown (its connection cut before the answer,
-    /// or no answer in time) under the store's `If-Match`, which only one of two identical
-    /// writes can meet: sent once more, on a new connection, still under the commit slot. A
-    /// success means this one applied (the first, should it still arrive, meets a moved tag
-    /// and is refused); a refusal means the first one landed, which the document read back
-    /// at the version written confirms (nothing else commits under this writer's slot).
-    /// Anything else leaves the outcome unknown: `first` is the answer.
+    /// or no answer in time): the same bytes sent once more, on a new connection, under the
+    /// same precondition, still under the commit slot (nothing else commits meanwhile, so
+    /// two copies landing store the same document). A success means the write is applied; a
+    /// refusal of the precondition means the first one landed, which the document read
+    /// back at the version written confirms. Anything else leaves the outcome unknown:
+    /// `first` is the answer. Whether a first copy still arriving later is refused is the
+    /// caller's to judge (the slot is left to lapse otherwise).
     async fn resolve(
         self,
         s: &Shared,
@@ -305,7 +317,7 @@ impl WriteBack<'_> {
         let Ok(conn) = slot.reserve(s, lease, true).await else {
             return Err(first);
         };
-        tracing::info!(error = %first, "write-back's outcome unknown; sent once more under the store's If-Match");
+        tracing::info!(error = %first, "write-back's outcome unknown; sent once more under its precondition");
         s.metrics.upstream_retry();
         let again = s
             .upstream

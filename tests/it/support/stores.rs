@@ -4,7 +4,7 @@
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -50,6 +50,8 @@ pub enum PutDelay {
     /// The first PUT is applied at once but answered only after this delay: the write lands
     /// even when the proxy has stopped waiting for it.
     FirstAnswer(Duration),
+    /// The same for the first `n` PUTs (a write-back and the proxy's attempt to settle it).
+    FirstAnswers(usize, Duration),
     /// Every request, reads included, reaches the store only after this delay.
     All(Duration),
 }
@@ -58,9 +60,13 @@ pub enum PutDelay {
 /// preconditions and fencing token) and holds PUTs back as `delay` says.
 pub async fn front_store(target: SocketAddr, delay: PutDelay) -> SocketAddr {
     let direct = JsonClient::new(format!("http://{target}"));
-    let first_put = Arc::new(AtomicBool::new(true));
+    let late_answers = Arc::new(AtomicUsize::new(match delay {
+        PutDelay::FirstAnswer(_) => 1,
+        PutDelay::FirstAnswers(n, _) => n,
+        _ => 0,
+    }));
     serve(move |req: Request<Incoming>| {
-        let (direct, first_put) = (direct.clone(), first_put.clone());
+        let (direct, late_answers) = (direct.clone(), late_answers.clone());
         async move {
             let forwarded = Forwarded::read(req).await;
             let is_put = forwarded.method == Method::PUT;
@@ -70,8 +76,9 @@ pub async fn front_store(target: SocketAddr, delay: PutDelay) -> SocketAddr {
             }
             // Applied on a task of its own: whether the client still waits or not.
             let applied = tokio::spawn(forwarded.send(direct)).await;
-            if let (true, PutDelay::FirstAnswer(d)) = (is_put, delay) {
-                if first_put.swap(false, Ordering::SeqCst) {
+            if let (true, PutDelay::FirstAnswer(d) | PutDelay::FirstAnswers(_, d)) = (is_put, delay) {
+                let late = late_answers.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+                if late.is_ok() {
                     tokio::time::sleep(d).await;
                 }
             }
