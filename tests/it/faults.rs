@@ -453,6 +453,25 @@ async fn slow_and_failing_upstream_never_acknowledges_unconfirmed_writes() {
     healthy.stop().await;
 }
 
+/// Writes turn 1 of `s` through `c` with its write-back meeting `rule` at `relay`: answered
+/// as applied, and stored (read through `direct`).
+async fn write_through_a_cut(
+    relay: &Relay,
+    rule: OnPut,
+    (c, direct): (&turnlock::client::JsonClient, &turnlock::client::JsonClient),
+    ledger: &Ledger,
+    s: &str,
+) {
+    relay.on_put(rule);
+    let token = format!("{s}-write");
+    let reply = try_append(c, s, 1, &token, true, &[]).await.expect("an HTTP answer");
+    let landed = message_ids(&get_doc(direct, s).await.json).contains(&token);
+    eprintln!("{s}: {} {} (stored: {landed})", reply.status, reply.json);
+    assert!(reply.status.is_success(), "{s}: {} {}", reply.status, reply.json);
+    assert!(landed, "{s}: acknowledged but not stored");
+    record(ledger, &AtomicU64::new(0), s, 1, &token, Ok(reply));
+}
+
 /// Fault 5b: A write-back's connection is cut before its answer (a store or load balancer
 /// closing a keep-alive connection just as the write-back goes out; or the answer lost after
 /// the store applied it). With a store that gives ETags the outcome is resolved under the
@@ -481,14 +500,7 @@ async fn a_write_back_cut_before_its_answer_is_resolved_not_left_unknown() {
         if seeded {
             assert!(write_until_acked(&c, &ledger, &s, 1, &format!("{s}-seed")).await);
         }
-        relay.on_put(rule);
-        let token = format!("{s}-write");
-        let reply = try_append(&c, &s, 1, &token, true, &[]).await.expect("an HTTP answer");
-        let landed = message_ids(&get_doc(&direct, &s).await.json).contains(&token);
-        eprintln!("{name}: {} {} (stored: {landed})", reply.status, reply.json);
-        assert!(reply.status.is_success(), "{name}: {} {}", reply.status, reply.json);
-        assert!(landed, "{name}: acknowledged but not stored");
-        record(&ledger, &AtomicU64::new(0), &s, 1, &token, Ok(reply));
+        write_through_a_cut(&relay, rule, (&c, &direct), &ledger, &s).await;
         // The next write of the session is not held back by the cut one.
         let started = tokio::time::Instant::now();
         let next = try_append(&c, &s, 2, &format!("{s}-next"), true, &[])
@@ -535,14 +547,7 @@ async fn a_write_back_cut_at_a_store_without_etags_is_answered_as_stored() {
         let s = format!("cut-plain-{name}");
         sessions.push(s.clone());
         assert!(write_until_acked(&c, &ledger, &s, 1, &format!("{s}-seed")).await);
-        relay.on_put(rule);
-        let token = format!("{s}-write");
-        let reply = try_append(&c, &s, 1, &token, true, &[]).await.expect("an HTTP answer");
-        let landed = message_ids(&get_doc(&direct, &s).await.json).contains(&token);
-        eprintln!("{name}: {} {} (stored: {landed})", reply.status, reply.json);
-        assert!(reply.status.is_success(), "{name}: {} {}", reply.status, reply.json);
-        assert!(landed, "{name}: acknowledged but not stored");
-        record(&ledger, &AtomicU64::new(0), &s, 1, &token, Ok(reply));
+        write_through_a_cut(&relay, rule, (&c, &direct), &ledger, &s).await;
     }
     let counts = check(store.addr, &sessions, &[&ledger]).await;
     report(
