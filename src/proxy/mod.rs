@@ -321,7 +321,10 @@ fn check_framing(req: &Request<Body>) -> Result<(), EdgeError> {
         let valid = match host {
             None => req.version() != http::Version::HTTP_11,
             // Empty when the target has no authority (RFC 9110 §7.2).
-            Some(h) => h.is_empty() || http::uri::Authority::try_from(h.as_bytes()).is_ok(),
+            // A host and port (RFC 9110 §7.2): no user information.
+            Some(h) => {
+                h.is_empty() || (!h.as_bytes().contains(&b'@') && http::uri::Authority::try_from(h.as_bytes()).is_ok())
+            }
         };
         if !valid || hosts.next().is_some() {
             return Err(EdgeError::Invalid {

@@ -573,6 +573,12 @@ async fn requests_http_itself_refuses_are_answered_before_any_route_and_never_fo
             "invalid_host",
         ),
         (
+            "a Host with user information",
+            b"GET /v1/sessions/a HTTP/1.1\r\nhost: user@a\r\nconnection: close\r\n\r\n".to_vec(),
+            400,
+            "invalid_host",
+        ),
+        (
             "a write's method in lower case",
             request("put", "/v1/sessions/a", &[JSON], r#"{"turn": 1, "messages": []}"#),
             501,
