@@ -6,8 +6,8 @@
 //! keep-alive connection without saying so; a request that finds such a connection fails
 //! before any answer, and what is safe to send twice is sent again on a fresh connection:
 //! bodiless GET/HEAD/OPTIONS (turnlock's own document read included). A write-back that was
-//! never written to a connection is sent again by the pool on the next one; one that may have been
-//! sent is not (its outcome is unknown).
+//! never written to a connection is sent again by the pool on the next one; one that may have
+//! been sent is settled by the write pipeline under its commit slot (`merge_commit`), not here.
 
 mod connect;
 mod document;
@@ -368,7 +368,7 @@ impl Upstream {
     /// Whether the store answers at all (any HTTP response counts).
     pub async fn ping(&self) -> bool {
         let Ok(uri) = self.uri("/") else { return false };
-        let Ok(req) = Request::builder()
+        let Ok(mut req) = Request::builder()
             .method(Method::GET)
             .uri(uri)
             .body(crate::http::empty())
@@ -377,7 +377,6 @@ impl Upstream {
         };
         // On a connection of its own when the cap is full; sent again on a new one when a
         // pooled connection the store has closed fails it (that is not an outage).
-        let mut req = req;
         self.add_headers(&mut req);
         let again = repeatable(&req);
         let sent = match self.pool.probe(req, self.timeout, false).await {

@@ -141,10 +141,7 @@ impl Pool {
             Some(conn) => conn,
             None => self.open_or_wait(deadline).await?,
         };
-        Ok(Reserved {
-            pool: self.clone(),
-            conn: Some(conn),
-        })
+        Ok(self.reserved(conn))
     }
 
     /// Like [`Pool::send`], on `reserved` (or, when the store closed it meanwhile, on the next
@@ -211,10 +208,15 @@ impl Pool {
             },
         };
         let conn = Box::pin(self.open(permit)).await?;
-        Ok(Reserved {
+        Ok(self.reserved(conn))
+    }
+
+    /// `conn`, held for a request to come; back to this pool when dropped unused.
+    fn reserved(&self, conn: Taken) -> Reserved {
+        Reserved {
             pool: self.clone(),
             conn: Some(conn),
-        })
+        }
     }
 
     /// Sends `req` on `conn`, or on a connection from the pool; the connection that carried
