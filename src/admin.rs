@@ -29,13 +29,18 @@ pub async fn serve(
         metrics,
         health,
         public_metrics,
+        peer: None,
     };
-    crate::server::serve_with(listener, move |_| admin.clone(), false, stop, Duration::from_secs(1)).await;
+    let make = move |conn: Conn| Admin {
+        peer: Some(conn.peer.ip()),
+        ..admin.clone()
+    };
+    crate::server::serve_with(listener, make, false, stop, Duration::from_secs(1)).await;
 }
 
 /// The admin endpoints as a service. Probes (`/healthz`, `/readyz`) answer any caller the
 /// listener accepts, so a kubelet can reach them on the pod's address; `/metrics` answers
-/// loopback callers only (the request's [`Conn`] extension, put there by the server), unless
+/// loopback callers only (the connection's peer, [`Admin::peer`]), unless
 /// `public_metrics` (for a Prometheus scraping the pod from elsewhere). Readiness is a latch
 /// read from [`Health`], never I/O per probe.
 #[derive(Clone)]
@@ -43,6 +48,9 @@ pub struct Admin {
     pub metrics: Metrics,
     pub health: Health,
     pub public_metrics: bool,
+    /// The caller's address: the connection's, else (a caller in the same process) the
+    /// request's [`Conn`] extension when it has one.
+    pub peer: Option<std::net::IpAddr>,
 }
 
 // === impl Admin ===
@@ -57,7 +65,9 @@ impl<B> tower::Service<Request<B>> for Admin {
     }
 
     fn call(&mut self, req: Request<B>) -> Self::Future {
-        let peer = req.extensions().get::<Conn>().map(|c| c.peer.ip());
+        let peer = self
+            .peer
+            .or_else(|| req.extensions().get::<Conn>().map(|c| c.peer.ip()));
         let allowed = peer.is_some_and(|ip| serves(req.uri().path(), ip, self.public_metrics))
             || (peer.is_none() && req.uri().path() != "/metrics");
         let res = if allowed {
@@ -139,6 +149,7 @@ mod tests {
             metrics: Metrics::new(),
             health: Health::new(true, shutdown.clone()),
             public_metrics: false,
+            peer: None,
         }
     }
 

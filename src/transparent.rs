@@ -294,7 +294,7 @@ impl Destinations {
             }
             _ => self.inner.default.clone(),
         };
-        proxy.handle(req, conn.peer).await
+        proxy.handle(req, Some(conn.peer)).await
     }
 
     /// Whether a request carries this proxy's own `Via` entry: its own forwarded request was
@@ -390,7 +390,7 @@ where
         let req = req.map(crate::http::boxed);
         Box::pin(async move {
             Ok(match &this.fixed {
-                Some(proxy) => proxy.handle(req, this.conn.peer).await,
+                Some(proxy) => proxy.handle(req, Some(this.conn.peer)).await,
                 None => this.destinations.handle(req, this.conn).await,
             })
         })

@@ -30,7 +30,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures_util::FutureExt as _;
-use http::header::{self, HeaderValue};
+use http::header::{self, HeaderName, HeaderValue};
 use http::{Method, Request, Response, Uri};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
@@ -44,7 +44,7 @@ use crate::metrics::Metrics;
 const MAX_DOCUMENT_BYTES: usize = 64 * 1024 * 1024;
 
 /// The header carrying the fencing token of the lock grant a write was made under.
-pub const FENCING_TOKEN: &str = "x-fencing-token";
+pub const FENCING_TOKEN: HeaderName = HeaderName::from_static("x-fencing-token");
 
 /// The preference (RFC 7240) a write-back states: no document in the answer.
 pub const PREFER: &str = "prefer";
@@ -209,8 +209,14 @@ impl Upstream {
     }
 
     /// The store's URI for a request URI as the agent sent it: its path and query kept as they
-    /// are (not copied nor parsed again) when the store's URL has no path of its own.
-    pub fn uri_of(&self, uri: &Uri) -> Result<Uri, http::Error> {
+    /// are (not copied nor parsed again) when the store's URL has no path of its own. A URI
+    /// in origin form (`/path?query`, as agents send it) stays as it is, which is the form
+    /// the request is written in, unless the request is signed (the signature covers the
+    /// store's whole URI).
+    pub fn uri_of(&self, uri: Uri) -> Result<Uri, http::Error> {
+        if self.base_path.is_empty() && self.signer.is_none() && uri.scheme().is_none() && uri.authority().is_none() {
+            return Ok(uri);
+        }
         match uri.path_and_query() {
             Some(pq) if self.base_path.is_empty() => Uri::builder()
                 .scheme(self.scheme.clone())

@@ -3,9 +3,9 @@
 //!
 //! What a request meets, in order:
 //!
-//! 1. `server::Connection` (a tower layer per connection): the connection's `Conn` (peer,
-//!    original destination) into the request's extensions; on the way out, `Connection:
-//!    close` once shutdown began. hyper serves the stack through `TowerToHyperService`.
+//! 1. `server::Connection` (per connection; the stack below it is made for the connection's
+//!    `Conn`: peer, original destination): on the way out, `Connection: close` once shutdown
+//!    began. hyper serves the stack through `TowerToHyperService`.
 //! 2. `layers` ([`Edge`], one layer with a concrete future): a panic becomes a `500` JSON
 //!    answer (the connection and process go on) → a trace span per request when debug
 //!    logging is on → `turnlock_requests_total`, from the answer's route and error code.
@@ -89,11 +89,12 @@ impl Proxy {
         Arc::strong_count(&self.inner) == 1 && self.inner.pipeline.is_idle()
     }
 
-    /// Serves one request from the agent at `peer`. The answer names its route
+    /// Serves one request from the agent at `peer` (`None`: a caller in the same process,
+    /// taken as loopback, whose request need not name a host). The answer names its route
     /// ([`RouteName`]) for the request metrics layer.
-    pub async fn handle(&self, req: Request<Body>, peer: SocketAddr) -> Response<Body> {
+    pub async fn handle(&self, req: Request<Body>, peer: Option<SocketAddr>) -> Response<Body> {
         let inner = &self.inner;
-        if let Err(refused) = check_framing(&req) {
+        if let Err(refused) = check_framing(&req, peer.is_some()) {
             let mut res = refused.into_response();
             res.extensions_mut().insert(RouteName("invalid"));
             return res;
@@ -111,7 +112,11 @@ impl Proxy {
                 // Boxed: a forwarded request's future does not carry a write's state.
                 (route.name, Box::pin(self.write(route, captures, req)).await)
             }
-            Ok(_) => ("forward", self.forward(req, peer).await),
+            Ok(_) => (
+                "forward",
+                self.forward(req, peer.unwrap_or(SocketAddr::from(([127, 0, 0, 1], 0))))
+                    .await,
+            ),
             Err(ambiguous) => (
                 "ambiguous",
                 EdgeError::AmbiguousPath(ambiguous.to_string()).into_response(),
@@ -150,7 +155,7 @@ impl Proxy {
             (hyper::upgrade::on(&mut req), outliving)
         });
         let (mut parts, body) = req.into_parts();
-        parts.uri = match upstream.uri_of(&parts.uri) {
+        parts.uri = match upstream.uri_of(std::mem::take(&mut parts.uri)) {
             Ok(u) => u,
             Err(e) => return EdgeError::InvalidPath(e.to_string()).into_response(),
         };
@@ -160,7 +165,7 @@ impl Proxy {
         }
         parts.headers.remove(header::HOST);
         // turnlock's own header to the store: never the client's to set.
-        parts.headers.remove(crate::upstream::FENCING_TOKEN);
+        parts.headers.remove(&crate::upstream::FENCING_TOKEN);
         append_forwarded_for(&mut parts.headers, peer);
         parts.version = http::Version::HTTP_11;
         if let Err(e) = upstream.sign_forwarded(&mut parts) {
@@ -247,10 +252,7 @@ where
 
     fn call(&mut self, req: Request<B>) -> Self::Future {
         let this = self.clone();
-        let peer = req
-            .extensions()
-            .get::<crate::server::Conn>()
-            .map_or(SocketAddr::from(([127, 0, 0, 1], 0)), |c| c.peer);
+        let peer = req.extensions().get::<crate::server::Conn>().map(|c| c.peer);
         let req = req.map(crate::http::boxed);
         Box::pin(async move { Ok(this.handle(req, peer).await) })
     }
@@ -277,12 +279,12 @@ fn log_write(route: &str, session: &str, turn: u64, answer: &answer::Answer, sta
 /// (turnlock forwards requests to its store, it opens no tunnels: 501), nor a standard
 /// method spelled in another case (`put`: methods are case-sensitive, so it is no write to
 /// turnlock, and a store that reads it as `PUT` would take a write past the lock: 501); a
-/// request read off a connection names its host in one valid `Host`, which HTTP/1.1 requires
+/// request read off a connection (`from_network`) names its host in one valid `Host`, which HTTP/1.1 requires
 /// (RFC 9112 §3.2: 400 otherwise; a request built in memory, for the service used as a
 /// library, need not); a body is framed by `Content-Length` or by `chunked` once (another
 /// transfer coding, such as `gzip`, or `chunked` twice, would reach the store or the merge
 /// still coded: 501, RFC 9112 §6.1).
-fn check_framing(req: &Request<Body>) -> Result<(), EdgeError> {
+fn check_framing(req: &Request<Body>, from_network: bool) -> Result<(), EdgeError> {
     use http::Method;
     const STANDARD: [Method; 9] = [
         Method::GET,
@@ -315,7 +317,7 @@ fn check_framing(req: &Request<Body>) -> Result<(), EdgeError> {
             ),
         });
     }
-    if req.extensions().get::<crate::server::Conn>().is_some() {
+    if from_network {
         let mut hosts = req.headers().get_all(header::HOST).iter();
         let host = hosts.next();
         let valid = match host {
@@ -351,10 +353,13 @@ fn check_framing(req: &Request<Body>) -> Result<(), EdgeError> {
 
 /// Appends the agent's address to `X-Forwarded-For`: every prior hop kept, from all the
 /// header's lines, as their bytes came (not only valid UTF-8).
+/// Named once: a header named by a string is parsed again at each use.
+const X_FORWARDED_FOR: http::HeaderName = http::HeaderName::from_static("x-forwarded-for");
+
 fn append_forwarded_for(headers: &mut http::HeaderMap, peer: SocketAddr) {
     let ip = peer.ip();
     let mut prior = headers
-        .get_all("x-forwarded-for")
+        .get_all(&X_FORWARDED_FOR)
         .iter()
         .map(HeaderValue::as_bytes)
         .filter(|v| !v.iter().all(u8::is_ascii_whitespace));
@@ -371,7 +376,7 @@ fn append_forwarded_for(headers: &mut http::HeaderMap, peer: SocketAddr) {
         }
     };
     if let Some(v) = value {
-        headers.insert("x-forwarded-for", v);
+        headers.insert(X_FORWARDED_FOR, v);
     }
 }
 

@@ -97,6 +97,13 @@ impl Activity {
 #[derive(Debug)]
 pub struct InFlight(Arc<Activity>);
 
+impl InFlight {
+    /// The connection this keeps busy.
+    pub fn activity(&self) -> &Activity {
+        &self.0
+    }
+}
+
 impl Drop for InFlight {
     fn drop(&mut self) {
         if self.0.in_flight.fetch_sub(1, Ordering::Relaxed) == 1 {

@@ -23,7 +23,7 @@ use crate::http::Body;
 mod idle;
 mod intercept;
 
-use self::idle::{Activity, IdleIo, Tracked, Trimmer};
+use self::idle::{Activity, IdleIo, InFlight, Tracked, Trimmer};
 
 /// A request's body as the server hands it to its service: hyper's, tracked so that the
 /// connection counts as busy while it may still be read (see `idle`).
@@ -95,11 +95,10 @@ where
 
 /// Like [`serve`], with a `tower::Service` made once per connection by `make` (told the
 /// connection's details); `original_dst` says whether to look up each accepted connection's
-/// original destination (transparent interception). Each request carries its connection's
-/// [`Conn`] as an extension.
+/// original destination (transparent interception).
 ///
-/// Around the service, per connection (`Connection`): the connection's [`Conn`] put into
-/// the request's extensions; `Connection: close` put on the answer once shutdown began (the
+/// Around the service, per connection (`Connection`): `Connection: close` put on the
+/// answer once shutdown began (the
 /// drain); the request counted busy until its body and its answer's body are done, so that
 /// a connection idle for 5 ms (`idle::SHED_AFTER`) holds none of hyper's buffers (see `idle`).
 pub async fn serve_with<M, S, B>(
@@ -148,7 +147,7 @@ pub async fn serve_with<M, S, B>(
                 None
             },
         };
-        let draining = shutdown.clone();
+        let draining = Arc::new(shutdown.clone());
         let outliving = Outliving {
             connections: connections.clone(),
             hard_stop: hard_stop.clone(),
@@ -182,7 +181,6 @@ pub async fn serve_with<M, S, B>(
                 // With upgrades: a WebSocket request passed through becomes a tunnel.
                 let service = Connection {
                     inner: TowerToHyperService::new(stack.clone()),
-                    conn,
                     draining: draining.clone(),
                     outliving: outliving.clone(),
                     activity: activity.clone(),
@@ -262,14 +260,13 @@ async fn next_bytes(io: &IdleIo, first: bool, graceful: &CancellationToken) -> b
     }
 }
 
-/// The service hyper calls on one connection: puts the connection's [`Conn`] into each
-/// request's extensions (and [`Outliving`] into those asking for an upgrade), `Connection:
+/// The service hyper calls on one connection: puts [`Outliving`] into the extensions of
+/// requests asking for an upgrade, `Connection:
 /// close` on each answer once shutdown began (the drain) or when the connection ends after it,
 /// and counts the request as busy from the moment hyper has read its head (for `idle`).
 struct Connection<S> {
     inner: TowerToHyperService<S>,
-    conn: Conn,
-    draining: CancellationToken,
+    draining: Arc<CancellationToken>,
     outliving: Outliving,
     activity: Arc<Activity>,
 }
@@ -284,10 +281,9 @@ where
 {
     type Response = Response<Tracked<R>>;
     type Error = Infallible;
-    type Future = futures_util::future::BoxFuture<'static, Result<Response<Tracked<R>>, Infallible>>;
+    type Future = Answer<<TowerToHyperService<S> as hyper::service::Service<Request<RequestBody>>>::Future>;
 
     fn call(&self, mut req: Request<Incoming>) -> Self::Future {
-        req.extensions_mut().insert(self.conn);
         if req.headers().contains_key(http::header::UPGRADE) {
             req.extensions_mut().insert(self.outliving.clone());
         }
@@ -297,29 +293,60 @@ where
         let reading = (!http_body::Body::is_end_stream(req.body())).then(|| self.activity.hold());
         self.activity.take_unread();
         let version = req.version();
-        let answer = hyper::service::Service::call(&self.inner, req.map(|body| Tracked::request(body, reading)));
-        let draining = self.draining.clone();
-        let activity = self.activity.clone();
-        Box::pin(async move {
-            let mut res = answer.await?;
-            // A body left unread (a refusal that did not need it) makes hyper close the
-            // connection, and so does an HTTP/1.0 answer of unknown length (it ends with
-            // the connection): the answer says so, as it does once the drain began.
-            let ends_with_connection =
-                version == http::Version::HTTP_10 && http_body::Body::size_hint(res.body()).exact().is_none();
-            if draining.is_cancelled() || activity.take_unread() || ends_with_connection {
-                close_after(&mut res);
-                if version == http::Version::HTTP_10 {
-                    // Else hyper, answering an HTTP/1.0 client that asked for keep-alive with
-                    // an HTTP/1.1 answer (a store's, or one of ours), adds `keep-alive` to it.
-                    *res.version_mut() = http::Version::HTTP_10;
-                }
+        Answer {
+            answer: hyper::service::Service::call(&self.inner, req.map(|body| Tracked::request(body, reading))),
+            version,
+            draining: self.draining.clone(),
+            request: Some(request),
+        }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// The answer of [`Connection`]'s service on its way (a concrete future: nothing boxed
+    /// per request).
+    struct Answer<F> {
+        #[pin]
+        answer: F,
+        version: http::Version,
+        draining: Arc<CancellationToken>,
+        request: Option<InFlight>,
+    }
+}
+
+impl<F, R> Future for Answer<F>
+where
+    F: Future<Output = Result<Response<R>, Infallible>>,
+    R: http_body::Body,
+{
+    type Output = Result<Response<Tracked<R>>, Infallible>;
+
+    fn poll(self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Self::Output> {
+        let this = self.project();
+        let Ok(mut res) = std::task::ready!(this.answer.poll(cx));
+        let Some(request) = this.request.take() else {
+            // Polled again after it was ready: hyper never does.
+            return std::task::Poll::Pending;
+        };
+        let activity = request.activity();
+        let version = *this.version;
+        // A body left unread (a refusal that did not need it) makes hyper close the
+        // connection, and so does an HTTP/1.0 answer of unknown length (it ends with
+        // the connection): the answer says so, as it does once the drain began.
+        let ends_with_connection =
+            version == http::Version::HTTP_10 && http_body::Body::size_hint(res.body()).exact().is_none();
+        if this.draining.is_cancelled() || activity.take_unread() || ends_with_connection {
+            close_after(&mut res);
+            if version == http::Version::HTTP_10 {
+                // Else hyper, answering an HTTP/1.0 client that asked for keep-alive with
+                // an HTTP/1.1 answer (a store's, or one of ours), adds `keep-alive` to it.
+                *res.version_mut() = http::Version::HTTP_10;
             }
-            if res.status() == http::StatusCode::SWITCHING_PROTOCOLS {
-                activity.tunnel();
-            }
-            Ok(res.map(|body| Tracked::answer(body, request)))
-        })
+        }
+        if res.status() == http::StatusCode::SWITCHING_PROTOCOLS {
+            activity.tunnel();
+        }
+        std::task::Poll::Ready(Ok(res.map(|body| Tracked::answer(body, request))))
     }
 }
 

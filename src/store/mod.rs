@@ -206,7 +206,7 @@ impl Store {
                 Err(m) => return Ok(error(StatusCode::BAD_REQUEST, "invalid_precondition", m, None)),
             }
         };
-        let fence = match req.headers().get(crate::upstream::FENCING_TOKEN) {
+        let fence = match req.headers().get(&crate::upstream::FENCING_TOKEN) {
             Some(v) if self.enforce_fencing => match v.to_str().ok().and_then(|t| t.parse::<u64>().ok()) {
                 Some(t) => Some(t),
                 None => {
