@@ -112,7 +112,8 @@ pub const ERROR_CODES: &[&str] = &[
 pub struct ErrorCode(pub &'static str);
 
 /// The route that answered a request (the `route` label of `turnlock_requests_total`), put
-/// into the answer's extensions; an answer without it is not counted.
+/// into the answer's extensions; an answer without it was forwarded (route `forward`: a
+/// forwarded answer carries no extension, which would cost a map per request).
 #[derive(Clone, Copy, Debug)]
 pub struct RouteName(pub &'static str);
 

@@ -1,7 +1,8 @@
 //! What every request to the agent-facing service goes through, in one layer ([`Edge`], with
 //! a concrete future: nothing boxed or cloned per request): a panic made a `500` JSON answer
 //! (the connection and the process go on), a trace span per request when debug logging is on,
-//! and the request counter read from the answer's extensions.
+//! and the request counter read from the answer's extensions (an answer naming no route was
+//! forwarded).
 //!
 //! Body limits and the body timeout stay with the write's parsing (`request`): their limit
 //! depends on the route (a whole document may be larger than other bodies) and their
@@ -140,12 +141,11 @@ where
                     .unwrap_or_else(|| super::EdgeError::Panic.into_response())));
             }
         };
-        if let Some(route) = res.extensions().get::<RouteName>() {
-            let code = res.extensions().get::<ErrorCode>().map_or("", |c| c.0);
-            this.metrics.request(route.0, res.status().as_u16(), code);
-            if !matches!(route.0, "forward" | "ambiguous") {
-                this.metrics.write_answered(this.arrived.elapsed());
-            }
+        let route = res.extensions().get::<RouteName>().map_or("forward", |r| r.0);
+        let code = res.extensions().get::<ErrorCode>().map_or("", |c| c.0);
+        this.metrics.request(route, res.status().as_u16(), code);
+        if !matches!(route, "forward" | "ambiguous") {
+            this.metrics.write_answered(this.arrived.elapsed());
         }
         tracing::debug!(status = res.status().as_u16(), latency = ?this.arrived.elapsed(), "answered");
         Poll::Ready(Ok(res))
@@ -171,17 +171,17 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn answers_are_counted_by_route_status_and_code_and_unnamed_ones_are_not() {
+    async fn answers_are_counted_by_route_status_and_code_and_unnamed_ones_as_forwarded() {
         let metrics = Metrics::new();
         let inner = tower::service_fn(|req: Request<Body>| async move {
             Ok::<_, Infallible>(match req.uri().path() {
                 "/write" => answer(Some("append"), StatusCode::CONFLICT, Some("stale_turn")),
-                "/read" => answer(Some("forward"), StatusCode::OK, None),
-                _ => answer(None, StatusCode::BAD_GATEWAY, None),
+                "/read" => answer(None, StatusCode::OK, None),
+                _ => answer(None, StatusCode::BAD_GATEWAY, Some("upstream_unavailable")),
             })
         });
         let service = stack(metrics.clone(), inner);
-        for path in ["/write", "/read", "/read", "/unnamed"] {
+        for path in ["/write", "/read", "/read", "/unreachable"] {
             let req = Request::get(path).body(crate::http::empty()).expect("request");
             service.clone().oneshot(req).await.expect("infallible");
         }
@@ -194,7 +194,10 @@ mod tests {
             text.contains(r#"turnlock_requests_total{route="forward",status="200",error=""} 2"#),
             "{text}"
         );
-        assert!(!text.contains(r#"status="502""#), "{text}");
+        assert!(
+            text.contains(r#"turnlock_requests_total{route="forward",status="502",error="upstream_unavailable"} 1"#),
+            "{text}"
+        );
     }
 
     #[tokio::test]

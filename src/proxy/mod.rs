@@ -91,7 +91,7 @@ impl Proxy {
 
     /// Serves one request from the agent at `peer` (`None`: a caller in the same process,
     /// taken as loopback, whose request need not name a host). The answer names its route
-    /// ([`RouteName`]) for the request metrics layer.
+    /// ([`RouteName`]) for the request metrics layer, unless it was forwarded.
     pub async fn handle(&self, req: Request<Body>, peer: Option<SocketAddr>) -> Response<Body> {
         let inner = &self.inner;
         if let Err(refused) = check_framing(&req, peer.is_some()) {
@@ -122,7 +122,10 @@ impl Proxy {
                 EdgeError::AmbiguousPath(ambiguous.to_string()).into_response(),
             ),
         };
-        res.extensions_mut().insert(RouteName(route_name));
+        // A forwarded answer names no route: that is the default (and costs no map).
+        if route_name != "forward" {
+            res.extensions_mut().insert(RouteName(route_name));
+        }
         res
     }
 

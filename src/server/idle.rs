@@ -188,6 +188,13 @@ pub struct IdleIo {
     /// finds it still idle. Made while hyper serves the socket, dropped with hyper's state;
     /// moved lazily (at most one timer change per `SHED_AFTER` on a busy connection).
     timer: Option<Pin<Box<Sleep>>>,
+    /// The timer holds the task's waker for its current deadline: it need not be polled
+    /// again until it fires or moves (hyper's connection is always polled by this
+    /// connection's task, so the waker stays the same).
+    armed: bool,
+    /// A request head on its way: the requests begun when its first bytes came, and when it
+    /// must be complete ([`super::HEADER_READ_TIMEOUT`]); the next request beginning ends it.
+    head: Option<(usize, Instant)>,
 }
 
 impl IdleIo {
@@ -200,6 +207,8 @@ impl IdleIo {
             begun_before: 0,
             idle_since: Instant::now(),
             timer: None,
+            armed: false,
+            head: None,
         }
     }
 
@@ -216,6 +225,7 @@ impl IdleIo {
         self.begun_before = self.activity.begun.load(Ordering::Relaxed);
         // Made again when the connection is next busy.
         self.timer = None;
+        self.armed = false;
         self
     }
 
@@ -252,9 +262,17 @@ impl IdleIo {
         // An earlier pending deadline stays: the check is made again when it fires.
         if timer.is_elapsed() || timer.deadline() > due {
             timer.as_mut().reset(due);
+            self.armed = false;
         }
-        if timer.as_mut().poll(cx).is_ready() {
+        if self.armed {
+            return;
+        }
+        // Unconstrained: a poll the task's budget turned down would not hold the waker.
+        let mut polled = tokio::task::unconstrained(timer.as_mut());
+        if Pin::new(&mut polled).poll(cx).is_ready() {
             cx.waker().wake_by_ref();
+        } else {
+            self.armed = true;
         }
     }
 }
@@ -266,9 +284,17 @@ impl AsyncRead for IdleIo {
             let n = this.unread.len().min(buf.remaining());
             buf.put_slice(&this.unread[..n]);
             this.unread.advance(n);
+            this.head_arriving();
             return Poll::Ready(Ok(()));
         }
+        let before = buf.filled().len();
         match Pin::new(&mut this.stream).poll_read(cx, buf) {
+            Poll::Ready(Ok(())) => {
+                if buf.filled().len() > before {
+                    this.head_arriving();
+                }
+                Poll::Ready(Ok(()))
+            }
             Poll::Pending if this.activity.idle_after(this.begun_before) && this.idle_long_enough(cx) => {
                 // Nothing to read and nothing owed for a while: end hyper's connection, keep
                 // the socket.
@@ -276,7 +302,41 @@ impl AsyncRead for IdleIo {
                 this.trimmer.0.notify_one();
                 Poll::Ready(Ok(()))
             }
+            Poll::Pending => match this.head_due() {
+                Some(due) if Instant::now() >= due => Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "the request head took longer than the header read timeout",
+                ))),
+                Some(due) => {
+                    this.wake_at(due, cx);
+                    Poll::Pending
+                }
+                None => Poll::Pending,
+            },
             other => other,
+        }
+    }
+}
+
+impl IdleIo {
+    /// Bytes came: with no request being served they begin a request head, which has
+    /// [`super::HEADER_READ_TIMEOUT`] from now to be complete (a slow client is cut off; the
+    /// time a keep-alive connection waits for its next request is not counted).
+    fn head_arriving(&mut self) {
+        let begun = self.activity.begun.load(Ordering::Relaxed);
+        if self.activity.in_flight.load(Ordering::Relaxed) == 0 && !matches!(self.head, Some((b, _)) if b == begun) {
+            self.head = Some((begun, Instant::now() + super::HEADER_READ_TIMEOUT));
+        }
+    }
+
+    /// When the head on its way must be complete; none once its request began.
+    fn head_due(&mut self) -> Option<Instant> {
+        match self.head {
+            Some((begun, due)) if begun == self.activity.begun.load(Ordering::Relaxed) => Some(due),
+            _ => {
+                self.head = None;
+                None
+            }
         }
     }
 }

@@ -116,8 +116,10 @@ pub async fn serve_with<M, S, B>(
 {
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder
+        // The request head's timeout is the socket's (`idle::IdleIo`): hyper's would make and
+        // drop a timer for every request.
         .timer(TokioTimer::new())
-        .header_read_timeout(HEADER_READ_TIMEOUT)
+        .header_read_timeout(None)
         .max_headers(MAX_HEADERS)
         .max_header_size(MAX_HEAD_BYTES)
         .max_buf_size(MAX_HEAD_BYTES)
