@@ -175,13 +175,20 @@ impl Proxy {
             return EdgeError::Forward(e).into_response();
         }
         // A request without a body (most reads) is sent as it is: nothing to report.
-        let mut client_failed = None;
+        let mut client = None;
         let (req, body_sent) = if http_body::Body::is_end_stream(&body) {
             let sent = futures_util::future::Either::Left(std::future::ready(true));
             (Request::from_parts(parts, body), sent)
         } else {
-            let (body, sent) = passthrough::Reported::new(body, upstream.timeout());
-            client_failed = Some(body.client_failed());
+            // A body of unknown length is sent chunked, whatever the method: hyper's client
+            // would send a GET's or a HEAD's as no body at all.
+            if !parts.headers.contains_key(header::CONTENT_LENGTH) {
+                parts
+                    .headers
+                    .insert(header::TRANSFER_ENCODING, HeaderValue::from_static("chunked"));
+            }
+            let (body, sent) = passthrough::Reported::new(body, upstream.timeout(), BODY_READ_TIMEOUT);
+            client = Some(body.client());
             (
                 Request::from_parts(parts, body.boxed()),
                 futures_util::future::Either::Right(sent),
@@ -218,12 +225,23 @@ impl Proxy {
             }
             // The client's body broke (a bad chunk, a cut connection): its request, not the
             // store, failed; neither answered nor counted as store trouble.
-            Err(e) if client_failed.is_some_and(|f| f.load(std::sync::atomic::Ordering::Relaxed)) => {
-                EdgeError::Invalid {
-                    code: "body_read_failed",
-                    message: format!("could not read the request body: {e}"),
+            Err(e)
+                if client
+                    .as_ref()
+                    .is_some_and(|c| c.get() != passthrough::ClientBody::Fine) =>
+            {
+                match client.map(|c| c.get()) {
+                    Some(passthrough::ClientBody::Stalled) => EdgeError::BodyTimeout(BODY_READ_TIMEOUT).into_response(),
+                    _ => EdgeError::Invalid {
+                        code: "body_read_failed",
+                        // The body's own error, not the forward's wrapping of it.
+                        message: format!(
+                            "could not read the request body: {}",
+                            e.to_string().rsplit(": ").next().unwrap_or_default()
+                        ),
+                    }
+                    .into_response(),
                 }
-                .into_response()
             }
             Err(e) => {
                 let code = e.code();

@@ -1,7 +1,9 @@
 //! What pass-through forwarding needs beyond copying a request: knowing when the client's
 //! body has been sent (the upstream timeout starts there), and WebSocket / `Upgrade` tunnels.
 
+use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -20,21 +22,58 @@ pub struct Reported {
     /// When the last frame was handed over and not yet followed by another poll: the store's
     /// side is not taking more. `None` while waiting for the client.
     handed: Arc<Mutex<Option<Instant>>>,
-    /// The client's body failed (a broken chunk, a connection cut mid-body).
-    client_failed: Arc<std::sync::atomic::AtomicBool>,
+    /// Whether the client's body failed, and how ([`ClientBody`]).
+    client: Arc<AtomicU8>,
+    /// How long the client may send nothing while the store waits for more.
+    idle: Duration,
+    /// When the client must have sent more: armed while the store waits for the client.
+    stalled_at: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+/// What became of the client's body, as [`Reported::client`] tells it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ClientBody {
+    /// Sent, or still being sent.
+    Fine = 0,
+    /// It broke (a bad chunk, a connection cut mid-body).
+    Failed = 1,
+    /// The client sent nothing for the idle limit while the store waited for more.
+    Stalled = 2,
+}
+
+/// How a forward learns what became of the client's body ([`Reported::client`]).
+#[derive(Clone)]
+pub struct ClientState(Arc<AtomicU8>);
+
+impl ClientState {
+    pub fn get(&self) -> ClientBody {
+        match self.0.load(Ordering::Relaxed) {
+            1 => ClientBody::Failed,
+            2 => ClientBody::Stalled,
+            _ => ClientBody::Fine,
+        }
+    }
 }
 
 impl Reported {
     /// The body, and a future that resolves `true` once the body is complete, or `false` when
-    /// the store took no more of it for `stall` although the client had sent more.
-    pub fn new(inner: crate::http::Body, stall: Duration) -> (Self, impl std::future::Future<Output = bool>) {
+    /// the store took no more of it for `stall` although the client had sent more. A client
+    /// that sends nothing for `idle` while the store waits for more fails the body (as
+    /// nginx's `client_body_timeout` does): a stalled upload does not hold a store connection.
+    pub fn new(
+        inner: crate::http::Body,
+        stall: Duration,
+        idle: Duration,
+    ) -> (Self, impl std::future::Future<Output = bool>) {
         let (tx, mut rx) = oneshot::channel();
         let handed = Arc::new(Mutex::new(None));
         let mut body = Self {
             inner,
             done: Some(tx),
             handed: handed.clone(),
-            client_failed: Arc::default(),
+            client: Arc::default(),
+            idle,
+            stalled_at: None,
         };
         if body.inner.is_end_stream() {
             body.finish();
@@ -56,9 +95,10 @@ impl Reported {
         (body, sent)
     }
 
-    /// Set once the client's body failed: a failed forward is then the client's doing.
-    pub fn client_failed(&self) -> Arc<std::sync::atomic::AtomicBool> {
-        self.client_failed.clone()
+    /// What became of the client's body: a forward that failed because it failed or stalled
+    /// is the client's doing.
+    pub fn client(&self) -> ClientState {
+        ClientState(self.client.clone())
     }
 
     fn finish(&mut self) {
@@ -82,15 +122,33 @@ impl HttpBody for Reported {
     fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         *lock(&self.handed) = None;
         let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        if !matches!(polled, Poll::Pending) {
+            self.stalled_at = None;
+        }
         match &polled {
             Poll::Ready(Some(Err(_))) => {
-                self.client_failed.store(true, std::sync::atomic::Ordering::Relaxed);
+                self.client.store(ClientBody::Failed as u8, Ordering::Relaxed);
                 self.finish();
             }
             Poll::Ready(None) => self.finish(),
             Poll::Ready(Some(Ok(_))) if self.inner.is_end_stream() => self.finish(),
             Poll::Ready(Some(Ok(_))) => *lock(&self.handed) = Some(Instant::now()),
-            Poll::Pending => {}
+            Poll::Pending => {
+                let idle = self.idle;
+                let stalled_at = self
+                    .stalled_at
+                    .get_or_insert_with(|| Box::pin(tokio::time::sleep(idle)));
+                if stalled_at.as_mut().poll(cx).is_ready() {
+                    self.client.store(ClientBody::Stalled as u8, Ordering::Relaxed);
+                    self.finish();
+                    let idle = self.idle;
+                    return Poll::Ready(Some(Err(format!(
+                        "the client sent none of its body for {} s",
+                        idle.as_secs_f64()
+                    )
+                    .into())));
+                }
+            }
         }
         polled
     }

@@ -398,3 +398,48 @@ async fn a_broken_client_body_is_the_clients_error_not_the_stores() {
     assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
     assert!(answer.contains("body_read_failed"), "{answer}");
 }
+
+/// hyper's client sends a GET's body of unknown length as no body at all; a search API that
+/// takes its query in a GET's body would get an empty one.
+#[tokio::test]
+async fn a_get_with_a_chunked_body_reaches_the_store_with_its_body() {
+    let proxy = proxy(proxy_args(counting_store(Duration::ZERO).await, None)).await;
+    for method in ["GET", "OPTIONS", "POST"] {
+        let request =
+            format!("{method} /search HTTP/1.1\r\nhost: s\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n5\r\nhello\r\n0\r\n\r\n");
+        let answer = send_raw(proxy.addr, request.as_bytes()).await;
+        assert!(answer.starts_with("HTTP/1.1 200"), "{method}: {answer}");
+        assert!(
+            answer.ends_with("\r\n\r\n5"),
+            "{method}: the store read the body: {answer}"
+        );
+    }
+}
+
+/// A client that stops sending its upload is cut off after the body timeout (408), as
+/// nginx's `client_body_timeout` does, and the store connection it held serves the next
+/// request: stalled uploads cannot take every connection to the store.
+#[tokio::test]
+async fn a_stalled_upload_is_cut_and_gives_its_store_connection_back() {
+    let mut args = proxy_args(counting_store(Duration::ZERO).await, None);
+    args.upstream_max_connections = 1;
+    let proxy = proxy(args).await;
+    let started = Instant::now();
+    let answer = send_raw(
+        proxy.addr,
+        b"PUT /uploads/stalled HTTP/1.1\r\nhost: s\r\ncontent-length: 20\r\n\r\nabcde",
+    )
+    .await;
+    let took = started.elapsed();
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("body_timeout"), "{answer}");
+    assert!(took >= turnlock::proxy::BODY_READ_TIMEOUT, "cut after {took:?}");
+    assert!(took < turnlock::proxy::BODY_READ_TIMEOUT * 2, "cut after {took:?}");
+    // The one store connection serves the next request.
+    let answer = send_raw(
+        proxy.addr,
+        b"GET /after HTTP/1.1\r\nhost: s\r\ncontent-length: 3\r\nconnection: close\r\n\r\nabc",
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+}
