@@ -263,7 +263,7 @@ impl Metrics {
         let upstream_responses = Family::<OpStatus, Counter>::default();
         registry.register(
             "upstream_responses",
-            "Store answers by operation (get, put, forward) and HTTP status; status 0 = no answer",
+            "Store answers by operation (get, put, delete, forward; connect: no connection could be had) and HTTP status; status 0 = no answer",
             upstream_responses.clone(),
         );
         let upstream_retries = Counter::default();

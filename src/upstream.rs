@@ -250,8 +250,14 @@ impl Upstream {
 
     /// A store connection for a request still to be made, waited for as [`Upstream::send`]
     /// waits for one (a 502 saying nothing was sent when none comes in time).
+    /// Counted as `op="connect"`, status 0, when none could be had: the request that was to
+    /// follow never reached the store.
     pub async fn reserve(&self) -> Result<Reserved, UpstreamError> {
-        self.pool.reserve(Instant::now() + self.timeout).await
+        let reserved = self.pool.reserve(Instant::now() + self.timeout).await;
+        if reserved.is_err() {
+            self.metrics.upstream_response("connect", 0);
+        }
+        reserved
     }
 
     /// [`Upstream::send`] on the connection `reserved` holds, which stays there for the next
@@ -271,7 +277,11 @@ impl Upstream {
     /// Like [`Upstream::reserve`], a connection opened for the request (one the store cannot
     /// have closed while it was idle).
     pub async fn reserve_fresh(&self) -> Result<Reserved, UpstreamError> {
-        Box::pin(self.pool.reserve_fresh(Instant::now() + self.timeout)).await
+        let reserved = Box::pin(self.pool.reserve_fresh(Instant::now() + self.timeout)).await;
+        if reserved.is_err() {
+            self.metrics.upstream_response("connect", 0);
+        }
+        reserved
     }
 
     /// [`Upstream::send`] on a connection reserved for it ([`Upstream::reserve`]).

@@ -933,3 +933,46 @@ async fn writes_succeed_when_the_store_closes_idle_connections_silently() {
     );
     assert_eq!(ids.len(), 10, "{ids:?}");
 }
+
+/// Every store exchange of a write is counted in `upstream_responses_total`, as forwarded
+/// ones are: a DELETE by its status, and a write that got no connection to the store at all
+/// as `op="connect"`, status 0 (the alert on `status="0"` sees a store down for writes too).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_store_traffic_of_writes_is_counted_by_op_and_status() {
+    let store = store().await;
+    let redis = RedisServer::start();
+    let proxy = ProxyProc::spawn(&format!("http://{}", store.addr), Some(&redis.url()), &[]);
+    let client = proxy.client();
+    let ok = try_append(&client, "counted-1", 1, "m1", true, &[])
+        .await
+        .expect("write");
+    assert!(ok.status.is_success(), "{}", String::from_utf8_lossy(&ok.body));
+    let r = client
+        .send(http::Method::DELETE, "/v1/sessions/counted-1", None, &[])
+        .await
+        .expect("delete");
+    assert!(r.status.is_success(), "{}", r.json);
+    let (_, metrics) = admin_get(proxy.admin, "/metrics").await;
+    let deletes: f64 = metrics
+        .lines()
+        .filter(|l| l.starts_with(r#"turnlock_upstream_responses_total{op="delete",status="2"#))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert_eq!(deletes, 1.0, "{metrics}");
+
+    // No store at all: the write is answered 502 and counted.
+    let nobody = free_port();
+    let down = ProxyProc::spawn(&format!("http://127.0.0.1:{nobody}"), Some(&redis.url()), &[]);
+    let r = try_append(&down.client(), "counted-2", 1, "m1", true, &[])
+        .await
+        .expect("answer");
+    assert_eq!(r.status.as_u16(), 502, "{}", String::from_utf8_lossy(&r.body));
+    let (_, metrics) = admin_get(down.admin, "/metrics").await;
+    assert!(
+        metric(
+            &metrics,
+            r#"turnlock_upstream_responses_total{op="connect",status="0"}"#
+        ) >= 1.0,
+        "{metrics}"
+    );
+}

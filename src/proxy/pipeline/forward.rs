@@ -136,6 +136,8 @@ pub(super) async fn serialize_one(
         Err(e) => Err(e),
     };
     s.metrics.upstream("forward", started.elapsed());
+    s.metrics
+        .upstream_response("forward", result.as_ref().map_or(0, |(status, _, _)| status.as_u16()));
     match result {
         Ok((status, res_headers, body)) => {
             let settled = if status.is_success() {
@@ -227,6 +229,8 @@ pub(super) async fn delete_one(
         Err(e) => Err(e),
     };
     s.metrics.upstream("delete", started.elapsed());
+    s.metrics
+        .upstream_response("delete", result.as_ref().map_or(0, |(status, _, _)| status.as_u16()));
     match result {
         Ok((status, res_headers, body)) => {
             let settled = if status.is_success() || status == StatusCode::NOT_FOUND {
