@@ -253,7 +253,11 @@ impl Upstream {
     /// Counted as `op="connect"`, status 0, when none could be had: the request that was to
     /// follow never reached the store.
     pub async fn reserve(&self) -> Result<Reserved, UpstreamError> {
-        let reserved = self.pool.reserve(Instant::now() + self.timeout).await;
+        self.counted(self.pool.reserve(Instant::now() + self.timeout).await)
+    }
+
+    /// A connection reserved, or its failure counted as `op="connect"`, status 0.
+    fn counted(&self, reserved: Result<Reserved, UpstreamError>) -> Result<Reserved, UpstreamError> {
         if reserved.is_err() {
             self.metrics.upstream_response("connect", 0);
         }
@@ -277,11 +281,7 @@ impl Upstream {
     /// Like [`Upstream::reserve`], a connection opened for the request (one the store cannot
     /// have closed while it was idle).
     pub async fn reserve_fresh(&self) -> Result<Reserved, UpstreamError> {
-        let reserved = Box::pin(self.pool.reserve_fresh(Instant::now() + self.timeout)).await;
-        if reserved.is_err() {
-            self.metrics.upstream_response("connect", 0);
-        }
-        reserved
+        self.counted(Box::pin(self.pool.reserve_fresh(Instant::now() + self.timeout)).await)
     }
 
     /// [`Upstream::send`] on a connection reserved for it ([`Upstream::reserve`]).

@@ -225,23 +225,27 @@ impl Proxy {
             }
             // The client's body broke (a bad chunk, a cut connection): its request, not the
             // store, failed; neither answered nor counted as store trouble.
+            Err(_)
+                if client
+                    .as_ref()
+                    .is_some_and(|c| c.get() == passthrough::ClientBody::Stalled) =>
+            {
+                EdgeError::BodyTimeout(BODY_READ_TIMEOUT).into_response()
+            }
             Err(e)
                 if client
                     .as_ref()
-                    .is_some_and(|c| c.get() != passthrough::ClientBody::Fine) =>
+                    .is_some_and(|c| c.get() == passthrough::ClientBody::Failed) =>
             {
-                match client.map(|c| c.get()) {
-                    Some(passthrough::ClientBody::Stalled) => EdgeError::BodyTimeout(BODY_READ_TIMEOUT).into_response(),
-                    _ => EdgeError::Invalid {
-                        code: "body_read_failed",
-                        // The body's own error, not the forward's wrapping of it.
-                        message: format!(
-                            "could not read the request body: {}",
-                            e.to_string().rsplit(": ").next().unwrap_or_default()
-                        ),
-                    }
-                    .into_response(),
+                EdgeError::Invalid {
+                    code: "body_read_failed",
+                    // The body's own error, not the forward's wrapping of it.
+                    message: format!(
+                        "could not read the request body: {}",
+                        e.to_string().rsplit(": ").next().unwrap_or_default()
+                    ),
                 }
+                .into_response()
             }
             Err(e) => {
                 let code = e.code();

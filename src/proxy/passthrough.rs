@@ -141,7 +141,6 @@ impl HttpBody for Reported {
                 if stalled_at.as_mut().poll(cx).is_ready() {
                     self.client.store(ClientBody::Stalled as u8, Ordering::Relaxed);
                     self.finish();
-                    let idle = self.idle;
                     return Poll::Ready(Some(Err(format!(
                         "the client sent none of its body for {} s",
                         idle.as_secs_f64()
