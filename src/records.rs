@@ -202,6 +202,10 @@ impl Records {
     pub async fn put_entries(&self, entries: Vec<Entry>) -> Result<(), RecordError> {
         let mut by_ttl: Vec<(Duration, Vec<(String, Bytes)>)> = Vec::new();
         for e in entries {
+            if e.refresh {
+                self.refresh(&e.key, e.ttl).await?;
+                continue;
+            }
             if let Some(expect) = &e.expect {
                 self.compare_and_set(&e.key, expect, e.value, e.ttl).await?;
                 continue;
@@ -215,6 +219,53 @@ impl Records {
             self.put_many(items, ttl).await?;
         }
         Ok(())
+    }
+
+    /// How long `key` has left to live; `None` when it does not exist.
+    pub async fn remaining(&self, key: &str) -> Result<Option<Duration>, RecordError> {
+        match self {
+            Records::Memory(map) => {
+                let now = Instant::now();
+                Ok(map.get(key).filter(|e| e.1 > now).map(|e| e.1 - now))
+            }
+            Records::Redis(conn) => {
+                let ms: i64 = conn
+                    .run(|mut c| async move { redis::cmd("PTTL").arg(key).query_async(&mut c).await })
+                    .await
+                    .map_err(err)?;
+                // -1: no expiry; -2: no such key.
+                Ok(match ms {
+                    -1 => Some(Duration::MAX),
+                    ms if ms >= 0 => Some(Duration::from_millis(ms as u64)),
+                    _ => None,
+                })
+            }
+        }
+    }
+
+    /// Sets how long `key` lives from now on, when it exists.
+    pub async fn refresh(&self, key: &str, ttl: Duration) -> Result<(), RecordError> {
+        match self {
+            Records::Memory(map) => {
+                let now = Instant::now();
+                if let Some(mut entry) = map.get_mut(key) {
+                    if entry.1 > now {
+                        entry.1 = now + ttl;
+                    }
+                }
+                Ok(())
+            }
+            Records::Redis(conn) => conn
+                .run(|mut c| async move {
+                    redis::cmd("PEXPIRE")
+                        .arg(key)
+                        .arg(ttl.as_millis() as u64)
+                        .query_async::<()>(&mut c)
+                        .await
+                })
+                .await
+                .map_err(err),
+        }
     }
 
     pub async fn delete(&self, key: &str) -> Result<(), RecordError> {

@@ -320,7 +320,8 @@ impl RedisLocks {
                         invocation
                             .arg(r.value.as_ref())
                             .arg(r.ttl.as_millis() as u64)
-                            .arg(r.expect.as_deref().unwrap_or_default());
+                            .arg(r.expect.as_deref().unwrap_or_default())
+                            .arg(if r.refresh { "1" } else { "" });
                     }
                     invocation.invoke_async(&mut c).await
                 }

@@ -14,6 +14,7 @@ use crate::session::{is_stale, SessionId};
 mod append;
 mod batch;
 mod compact;
+pub mod history;
 mod patch;
 mod put;
 mod raw;
@@ -88,6 +89,10 @@ pub struct Snapshot {
     pub message_ids: Vec<String>,
     /// The digest of each message, in the order of `message_ids`.
     pub message_digests: Vec<String>,
+    /// Set on a stored link of a chain (see [`history`]): the messages above are the ones
+    /// appended to the previous version's, which this names. A whole snapshot has none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub after: Option<history::Link>,
 }
 
 impl Snapshot {
@@ -106,6 +111,7 @@ impl Snapshot {
             field_digests,
             message_ids,
             message_digests,
+            after: None,
         }
     }
 

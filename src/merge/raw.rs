@@ -20,6 +20,7 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::Value;
 
+use super::history::{Fingerprint, Link};
 use super::*;
 
 /// One field of the document: as the store sent it, or set by the batch.
@@ -377,6 +378,11 @@ impl Finished<'_> {
         self.batch.turn
     }
 
+    /// How many messages the stored document held before the batch.
+    pub fn stored_messages(&self) -> usize {
+        self.batch.keys.len()
+    }
+
     /// The document's snapshot (what [`Snapshot::of`] gives for it). Message digests are
     /// taken from `cache` where the message's bytes are unchanged, and `cache` is left with
     /// exactly this document's messages: a proxy digests each message once, not once per
@@ -389,12 +395,15 @@ impl Finished<'_> {
             field_digests,
             message_ids: self.batch.message_ids.iter().map(|id| id.to_string()).collect(),
             message_digests: message_digests.iter().map(|d| d.to_string()).collect(),
+            after: None,
         }
     }
 
     /// The document's snapshot as [`snapshot`](Self::snapshot) makes it, serialized: the ids
-    /// and digests are written from where they are kept, never copied one by one.
-    pub fn snapshot_json(&self, version: u64, cache: &mut DigestCache) -> Vec<u8> {
+    /// and digests are written from where they are kept, never copied one by one. With
+    /// `chained`, as a link to the stored version's snapshot (see [`history`](super::history)):
+    /// only the messages this batch appended, and the fingerprint of the stored ones.
+    pub fn snapshot_json(&self, version: u64, cache: &mut DigestCache, chained: bool) -> Vec<u8> {
         /// [`Snapshot`]'s serialized form, borrowed.
         #[derive(serde::Serialize)]
         struct Borrowed<'b> {
@@ -402,13 +411,27 @@ impl Finished<'_> {
             field_digests: Map<String, Value>,
             message_ids: Vec<&'b str>,
             message_digests: Vec<&'b str>,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            after: Option<Link>,
         }
         let (field_digests, message_digests) = self.digests(cache);
+        let stored = if chained { self.batch.keys.len() } else { 0 };
+        let after = chained.then(|| {
+            let mut fingerprint = Fingerprint::default();
+            for d in &message_digests[..stored] {
+                fingerprint.add(d);
+            }
+            Link {
+                version: self.batch.stored_version,
+                fingerprint: fingerprint.value(),
+            }
+        });
         let out = Borrowed {
             version,
             field_digests,
-            message_ids: self.batch.message_ids.iter().map(|id| &**id).collect(),
-            message_digests: message_digests.iter().map(|d| &**d).collect(),
+            message_ids: self.batch.message_ids[stored..].iter().map(|id| &**id).collect(),
+            message_digests: message_digests[stored..].iter().map(|d| &**d).collect(),
+            after,
         };
         serde_json::to_vec(&out).unwrap_or_default()
     }
@@ -645,6 +668,7 @@ mod tests {
         let stored = json!({"session": "s-1", "turn": 1, "version": 2, "state": {"p": {"q": 1}},
             "messages": [{"id": "m-1", "b": 1, "a": 2}, {"id": "m-2"}]});
         let bytes = serde_json::to_vec(&stored).unwrap_or_default();
+        let stored_doc = stored.as_object().unwrap_or_else(|| unreachable!());
         let mut cache = DigestCache::default();
         for round in 0..4 {
             let Some(mut raw) = RawBatch::parse(&session, &bytes, &cache) else {
@@ -658,8 +682,14 @@ mod tests {
             if round % 2 == 0 {
                 assert_eq!(finished.snapshot(3, &mut cache), expected);
             } else {
-                let stored = serde_json::from_slice::<Snapshot>(&finished.snapshot_json(3, &mut cache));
+                let stored = serde_json::from_slice::<Snapshot>(&finished.snapshot_json(3, &mut cache, false));
                 assert!(matches!(stored, Ok(ref s) if *s == expected), "{stored:?}");
+                // Chained to the stored version's whole snapshot, it gives the same.
+                let below = Snapshot::of(stored_doc);
+                let link = serde_json::from_slice::<Snapshot>(&finished.snapshot_json(3, &mut cache, true));
+                let link = link.unwrap_or_else(|e| panic!("{e}"));
+                assert_eq!(link.message_ids, vec![format!("n-{round}")]);
+                assert_eq!(super::super::history::assemble(vec![link, below]), Some(expected));
             }
             assert_eq!(cache.len(), 3, "the cache holds this document's messages only");
         }

@@ -531,12 +531,14 @@ fn needs_reconnect(e: &RedisError) -> bool {
 
 /// One key to write (a record stored with a lock's release, or on its own): key, value, and how long it lives. With `expect`, the record is
 /// changed only while it still holds that value (compare-and-set); an empty `value` deletes it.
+/// With `refresh`, only the lifetime of the record is set anew (when it exists), to `ttl`.
 #[derive(Clone, Debug)]
 pub struct Entry {
     pub key: String,
     pub value: Bytes,
     pub ttl: Duration,
     pub expect: Option<Bytes>,
+    pub refresh: bool,
 }
 
 #[cfg(test)]

@@ -177,6 +177,62 @@ async fn a_put_based_on_a_previous_life_is_not_merged_into_the_next() {
     assert_eq!(message_ids(&get_doc(&direct, "life").await.json), ["new-1"]);
 }
 
+/// After a delete, a version of the new life written straight to the store reaches a
+/// version number the previous life had: the previous life's snapshot of that number is no
+/// base, so a PUT of a copy read at that version is merged against the copy's own version (the
+/// message it left out is deleted), and its answer names the version the store holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_of_the_previous_life_is_never_the_base_of_the_next() {
+    let redis = RedisServer::start();
+    let store = store().await;
+    let p = proxy(proxy_args(store.addr, Some(&redis))).await;
+    let (agent, direct) = (client(p.addr), client(store.addr));
+    for id in ["old-1", "old-2", "old-3"] {
+        assert!(append(&agent, "lives", 1, id).await.status.is_success());
+    }
+    let r = agent
+        .send(Method::DELETE, "/v1/sessions/lives", None, &[])
+        .await
+        .expect("delete");
+    assert!(r.status.is_success(), "{}", r.json);
+    assert_eq!(append(&agent, "lives", 1, "new-1").await.status, StatusCode::CREATED);
+    // A careful writer straight to the store adds a message under the store's If-Match.
+    let mut doc = get_doc(&direct, "lives").await.json;
+    assert_eq!(doc["version"], 1);
+    doc["messages"]
+        .as_array_mut()
+        .expect("messages")
+        .push(json!({"id": "d-1", "content": "direct"}));
+    let r = direct
+        .send(
+            Method::PUT,
+            "/v1/sessions/lives",
+            Some(&doc),
+            &[("if-match", "\"1\"".to_owned())],
+        )
+        .await
+        .expect("direct put");
+    assert!(r.status.is_success(), "{}", r.json);
+    let mut copy = get_doc(&agent, "lives").await.json;
+    assert_eq!(copy["version"], 2);
+    copy["messages"]
+        .as_array_mut()
+        .expect("messages")
+        .retain(|m| m["id"] != "d-1");
+    let r = agent
+        .send(Method::PUT, "/v1/sessions/lives", Some(&copy), &[])
+        .await
+        .expect("put");
+    assert!(r.status.is_success(), "{}", r.json);
+    let stored = get_doc(&direct, "lives").await;
+    assert_eq!(message_ids(&stored.json), ["new-1"]);
+    assert_eq!(
+        r.json["version"], stored.json["version"],
+        "{} vs {}",
+        r.json, stored.json
+    );
+}
+
 /// A copy read before a delete, PUT back once the new life has reached (or passed) the
 /// copy's version number: the version alone cannot tell the lives apart, the document's
 /// `life` does. With and without store ETags, nothing of the previous life comes back.

@@ -4,7 +4,13 @@
 use http::Method;
 use serde_json::json;
 
-use crate::support::{client, get_doc, message_ids, proxy, proxy_args, store, Monitor, RedisServer};
+use std::time::Duration;
+
+use http::StatusCode;
+
+use crate::support::{
+    append, append_ids, client, get_doc, message_ids, proxy, proxy_args, store, Monitor, RedisServer,
+};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn records_stored_with_the_release_answer_retries_and_merges() {
@@ -97,4 +103,186 @@ fn script_runs(lines: &[String]) -> Vec<Vec<&str>> {
         }
     }
     runs
+}
+
+/// The Redis record of a version's snapshot, parsed, and its size in bytes.
+fn history_record(redis: &RedisServer, session: &str, version: u64) -> Option<(serde_json::Value, usize)> {
+    let keys = redis.keys(&format!("turnlock:session:{{{session}}}:*:history:{version}"));
+    let key = keys.first()?;
+    match redis.cmd(&["GET", key]) {
+        redis::Value::BulkString(bytes) => Some((serde_json::from_slice(&bytes).ok()?, bytes.len())),
+        _ => None,
+    }
+}
+
+/// Creates `session` with `n` messages (`s0`…) in one write: version 1.
+async fn seed(agent: &turnlock::client::JsonClient, session: &str, n: usize) {
+    let ids: Vec<String> = (0..n).map(|i| format!("s{i}")).collect();
+    let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
+    let r = append_ids(agent, session, 1, &ids).await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.json);
+}
+
+/// A growing document's appends store each version's snapshot as a link to the previous one
+/// (what the batch appended), whichever proxy wrote it: the records stay small, and a merged
+/// PUT based on any version of the chain is merged against that version exactly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn appends_store_snapshots_as_links_and_puts_based_on_them_merge_exactly() {
+    let redis = RedisServer::start();
+    let store = store().await;
+    let p1 = proxy(proxy_args(store.addr, Some(&redis))).await;
+    let p2 = proxy(proxy_args(store.addr, Some(&redis))).await;
+    let agents = [client(p1.addr), client(p2.addr)];
+    seed(&agents[0], "chain", 300).await;
+    let mut copies = vec![get_doc(&agents[0], "chain").await.json];
+    for v in 2..=40u64 {
+        let r = append(&agents[(v % 2) as usize], "chain", 1, &format!("m{v}")).await;
+        assert!(r.status.is_success(), "{}", r.json);
+        copies.push(get_doc(&agents[0], "chain").await.json);
+    }
+    assert_eq!(copies[39]["version"], 40);
+    // Versions 1, 16 and 32 are whole; the others name the one before them and list only
+    // the message their batch appended.
+    for v in [1u64, 16, 32] {
+        let (record, _) = history_record(&redis, "chain", v).expect("whole snapshot");
+        assert!(record.get("after").is_none(), "version {v}: {record}");
+        assert_eq!(record["message_ids"].as_array().map(Vec::len), Some(299 + v as usize));
+    }
+    for v in [2u64, 15, 17, 31, 33, 40] {
+        let (record, size) = history_record(&redis, "chain", v).expect("link");
+        assert_eq!(record["after"]["version"], v - 1, "version {v}: {record}");
+        assert_eq!(record["message_ids"], json!([format!("m{v}")]), "version {v}: {record}");
+        assert!(size < 1_000, "version {v}'s record is {size} bytes");
+    }
+    // A copy read at each of these versions, with one of its messages dropped and a field
+    // set, PUT back: the drop and the field are applied, every later append is kept.
+    for (n, v) in [3u64, 15, 16, 17, 31, 40].into_iter().enumerate() {
+        let mut copy = copies[(v - 1) as usize].clone();
+        assert_eq!(copy["version"], v);
+        let dropped = copy["messages"].as_array_mut().expect("messages").remove(n);
+        copy["state"] = json!({ format!("k{v}"): v });
+        let r = agents[n % 2]
+            .send(Method::PUT, "/v1/sessions/chain", Some(&copy), &[])
+            .await
+            .expect("put");
+        assert!(r.status.is_success(), "PUT based on version {v}: {}", r.json);
+        let doc = get_doc(&agents[0], "chain").await.json;
+        let ids = message_ids(&doc);
+        assert!(
+            !ids.contains(&dropped["id"].as_str().unwrap_or_default().to_owned()),
+            "{ids:?}"
+        );
+        assert!(ids.contains(&"m40".to_owned()), "{ids:?}");
+        assert_eq!(doc["state"][format!("k{v}")], v, "{doc}");
+    }
+    p1.stop().await;
+    p2.stop().await;
+    store.stop().await;
+}
+
+/// A chain that does not hold together gives no base: a PUT based on such a version is
+/// refused as based on an unknown version (409), never merged against a wrong one. A version
+/// written past turnlock (the store numbered it) has no record: the next is stored whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broken_chain_refuses_the_put_and_a_version_written_past_turnlock_starts_a_new_one() {
+    let redis = RedisServer::start();
+    let store = store().await;
+    let p = proxy(proxy_args(store.addr, Some(&redis))).await;
+    let (agent, direct) = (client(p.addr), client(store.addr));
+    seed(&agent, "gone", 300).await;
+    for i in 2..=5 {
+        assert!(append(&agent, "gone", 1, &format!("m{i}")).await.status.is_success());
+    }
+    let copy = get_doc(&agent, "gone").await.json;
+    assert_eq!(copy["version"], 5);
+    let keys = redis.keys("turnlock:session:{gone}:*:history:3");
+    assert_eq!(keys.len(), 1, "{keys:?}");
+    redis.cmd(&["DEL", &keys[0]]);
+    assert!(append(&agent, "gone", 1, "m6").await.status.is_success());
+    let mut dropping = copy.clone();
+    dropping["messages"].as_array_mut().expect("messages").remove(0);
+    let r = agent
+        .send(Method::PUT, "/v1/sessions/gone", Some(&dropping), &[])
+        .await
+        .expect("put");
+    assert_eq!(
+        (r.status, r.json["error"].as_str()),
+        (StatusCode::CONFLICT, Some("conflict")),
+        "{}",
+        r.json
+    );
+    assert_eq!(message_ids(&get_doc(&direct, "gone").await.json).len(), 305);
+
+    // Written straight to the store (which numbers it version 2): s1 dropped there.
+    seed(&agent, "past", 300).await;
+    let mut changed = get_doc(&direct, "past").await.json;
+    changed["messages"].as_array_mut().expect("messages").remove(1);
+    let r = direct
+        .send(Method::PUT, "/v1/sessions/past", Some(&changed), &[])
+        .await
+        .expect("direct put");
+    assert!(r.status.is_success(), "{}", r.json);
+    assert!(append(&agent, "past", 1, "m3").await.status.is_success());
+    let copy = get_doc(&agent, "past").await.json;
+    assert_eq!(copy["version"], 3);
+    let (record, _) = history_record(&redis, "past", 3).expect("version 3's record");
+    assert!(record.get("after").is_none(), "{record}");
+    assert!(append(&agent, "past", 1, "m4").await.status.is_success());
+    let mut dropping = copy.clone();
+    dropping["messages"].as_array_mut().expect("messages").remove(0);
+    let r = agent
+        .send(Method::PUT, "/v1/sessions/past", Some(&dropping), &[])
+        .await
+        .expect("put");
+    assert!(r.status.is_success(), "{}", r.json);
+    let ids = message_ids(&get_doc(&direct, "past").await.json);
+    assert_eq!(ids.len(), 300, "{ids:?}");
+    assert!(
+        !ids.contains(&"s0".to_owned()) && !ids.contains(&"s1".to_owned()),
+        "{ids:?}"
+    );
+    assert!(ids.contains(&"m4".to_owned()), "{ids:?}");
+    p.stop().await;
+    store.stop().await;
+}
+
+/// A link lives as long as a whole snapshot would: writing it renews the records below it in
+/// its chain, so a PUT based on the newest version merges even after the chain's first
+/// record would have expired on its own. A previous record about to expire is not linked to
+/// (its renewal could come too late): that version is stored whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_link_renews_the_records_below_it() {
+    let redis = RedisServer::start();
+    let store = store().await;
+    let mut args = proxy_args(store.addr, Some(&redis));
+    args.history_ttl_secs = 2;
+    let p = proxy(args).await;
+    let agent = client(p.addr);
+    seed(&agent, "renew", 300).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(append(&agent, "renew", 1, "m2").await.status.is_success());
+    let (record, _) = history_record(&redis, "renew", 2).expect("version 2's record");
+    assert_eq!(record["after"]["version"], 1, "{record}");
+    let mut copy = get_doc(&agent, "renew").await.json;
+    assert_eq!(copy["version"], 2);
+    tokio::time::sleep(Duration::from_millis(1_800)).await;
+    // Version 1's record was written 2.3 s ago with a 2 s lifetime; version 2's link renewed
+    // it. Version 2's has under a second left: version 3 is stored whole.
+    assert!(append(&agent, "renew", 1, "m3").await.status.is_success());
+    let (record, _) = history_record(&redis, "renew", 3).expect("version 3's record");
+    assert!(record.get("after").is_none(), "{record}");
+    copy["messages"].as_array_mut().expect("messages").remove(0);
+    let r = agent
+        .send(Method::PUT, "/v1/sessions/renew", Some(&copy), &[])
+        .await
+        .expect("put");
+    assert!(r.status.is_success(), "{}", r.json);
+    let ids = message_ids(&get_doc(&agent, "renew").await.json);
+    assert_eq!(
+        (ids.len(), ids.first().map(String::as_str)),
+        (301, Some("s1")),
+        "{ids:?}"
+    );
+    p.stop().await;
+    store.stop().await;
 }

@@ -19,8 +19,9 @@
 -- ARGV[7]      '1' when sent again after a cut connection: the first sending may have run,
 --              and another writer may have taken the slot and moved the mark since; the mark
 --              is then changed only while the slot is still this owner's
--- ARGV[8..]    for each record, in the order of KEYS[r..n]: its value, its TTL in ms, and the
---              value it must still hold to be changed ('' for none: stored unconditionally).
+-- ARGV[8..]    for each record, in the order of KEYS[r..n]: its value, its TTL in ms, the
+--              value it must still hold to be changed ('' for none: stored unconditionally),
+--              and '1' when only its TTL is set anew (value and expected value unused).
 --              An empty value deletes the record (when it holds the expected value).
 --
 -- Reply: {lock, slot}: lock 1 released, 0 not held by this owner (expired, or taken over);
@@ -54,9 +55,11 @@ if ARGV[4] ~= '' then
   end
 end
 for i = first, #KEYS do
-  local base = 8 + 3 * (i - first)
+  local base = 8 + 4 * (i - first)
   local value, ttl, expect = ARGV[base], ARGV[base + 1], ARGV[base + 2]
-  if expect == '' or redis.call('GET', KEYS[i]) == expect then
+  if ARGV[base + 3] == '1' then
+    redis.call('PEXPIRE', KEYS[i], ttl)
+  elseif expect == '' or redis.call('GET', KEYS[i]) == expect then
     if value == '' then
       redis.call('DEL', KEYS[i])
     else

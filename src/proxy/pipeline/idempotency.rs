@@ -145,6 +145,7 @@ pub(super) fn results<'a, W: 'a>(
             value,
             ttl: s.settings.idempotency_ttl,
             expect: Some(claim),
+            refresh: false,
         })
     })
 }

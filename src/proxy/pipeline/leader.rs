@@ -177,6 +177,7 @@ pub(super) fn drop_claim(key: String, claim: Bytes) -> Entry {
         value: Bytes::new(),
         ttl: Duration::ZERO,
         expect: Some(claim),
+        refresh: false,
     }
 }
 

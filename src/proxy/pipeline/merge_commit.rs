@@ -16,7 +16,9 @@ use super::store_fields;
 use super::{MergeWrite, Shared, MAX_ATTEMPTS};
 use crate::http::etag_for;
 use crate::lock::Lease;
-use crate::merge::{self, BatchDoc, DigestCache, Document, Finished, MergeError, Op, RandomIds, RawBatch, Snapshot};
+use crate::merge::{
+    self, history, BatchDoc, DigestCache, Document, Finished, MergeError, Op, RandomIds, RawBatch, Snapshot,
+};
 use crate::proxy::answer::Answer;
 use crate::proxy::error::WriteError;
 use crate::redis_conn::Entry;
@@ -208,9 +210,27 @@ pub(super) async fn merge_attempts(
             .put_document_with(conn, path, body.clone(), &precondition, lease.fence(), store);
         let snapshot = async {
             tokio::task::yield_now().await;
-            s.settings
-                .snapshots
-                .then(|| written.snapshot_json(new_version, &mut lock(&digests)))
+            if !s.settings.snapshots {
+                return None;
+            }
+            // A link only follows a record that is there, and will still be there when the
+            // release renews it (the records below it live exactly as long): the previous
+            // version may have been written past turnlock (a store that numbers versions
+            // itself), or its record lost or about to expire. Asked while the store takes the
+            // write-back; a slow answer gives a whole snapshot.
+            let chained = written.may_chain(new_version)
+                && matches!(
+                    tokio::time::timeout(
+                        history::LOOKUP_WAIT,
+                        s.records.remaining(&queue.scope.history(new_version - 1))
+                    )
+                    .await,
+                    Ok(Ok(Some(left))) if left > history::renewal_margin(s.settings.history_ttl)
+                );
+            Some((
+                written.snapshot_json(new_version, &mut lock(&digests), chained),
+                chained,
+            ))
         };
         let (put, snapshot) = tokio::join!(put, snapshot);
         // The slot is left to expire after a write-back that may still land (see `merge_batch`).
@@ -243,13 +263,24 @@ pub(super) async fn merge_attempts(
         match put {
             Ok(etag) => {
                 // Only a merged PUT reads a snapshot back: without such a route none is kept.
-                if let Some(snapshot) = snapshot {
+                if let Some((snapshot, chained)) = snapshot {
                     records.push(Entry {
                         key: queue.scope.history(new_version),
                         value: Bytes::from(snapshot),
                         ttl: s.settings.history_ttl,
                         expect: None,
+                        refresh: false,
                     });
+                    // A link lives as long as the records below it in its chain: they live on.
+                    if chained {
+                        records.extend(history::chain_below(new_version).map(|v| Entry {
+                            key: queue.scope.history(v),
+                            value: Bytes::new(),
+                            ttl: s.settings.history_ttl,
+                            expect: None,
+                            refresh: true,
+                        }));
+                    }
                 }
                 let status = if created { StatusCode::CREATED } else { StatusCode::OK };
                 let etag = etag.unwrap_or_else(|| etag_for(new_version));
@@ -396,11 +427,21 @@ impl Written<'_> {
         }
     }
 
-    /// The snapshot of the version written, serialized.
-    fn snapshot_json(&self, version: u64, cache: &mut DigestCache) -> Vec<u8> {
+    /// Whether the snapshot of `version` may be stored as a link to the previous version's
+    /// (see [`history`]): a batch of appends to a stored document of many messages.
+    fn may_chain(&self, version: u64) -> bool {
+        match self {
+            Written::Values(_) => false,
+            Written::Raw(doc) => history::may_chain(version) && doc.stored_messages() >= history::MIN_MESSAGES,
+        }
+    }
+
+    /// The snapshot of the version written, serialized: whole, or `chained` to the previous
+    /// version's (only where [`may_chain`](Self::may_chain)).
+    fn snapshot_json(&self, version: u64, cache: &mut DigestCache, chained: bool) -> Vec<u8> {
         match self {
             Written::Values(doc) => serde_json::to_vec(&Snapshot::of(doc)).unwrap_or_default(),
-            Written::Raw(doc) => doc.snapshot_json(version, cache),
+            Written::Raw(doc) => doc.snapshot_json(version, cache, chained),
         }
     }
 }
@@ -543,13 +584,16 @@ async fn changed_behind_our_back(
     if !based_on_current {
         return;
     }
-    let Ok(Some(bytes)) = s.records.get(&scope.history(v)).await else {
+    let Some(committed) = load_snapshot(s, scope, v).await else {
         return;
     };
-    let Ok(committed) = serde_json::from_slice::<Snapshot>(&bytes) else {
+    let stored = Snapshot::of(doc);
+    // A record of another life (the session deleted and written again, straight to the store
+    // too, up to the same version number) says nothing of this document.
+    if committed.field_digests.get(merge::LIFE) != stored.field_digests.get(merge::LIFE) {
         return;
-    };
-    if committed != Snapshot::of(doc) {
+    }
+    if committed != stored {
         doc.insert("version".into(), json!(v + 1));
         bases.insert(v, committed);
     }
@@ -584,12 +628,34 @@ pub(super) async fn load_bases(
                 }
                 continue;
             }
-            if let Ok(Some(bytes)) = s.records.get(&scope.history(v)).await {
-                if let Ok(snap) = serde_json::from_slice::<Snapshot>(&bytes) {
+            // A record of another life is no base for this one (see `changed_behind_our_back`).
+            let life = current.and_then(|doc| doc.get(merge::LIFE)).map(merge::digest_tree);
+            if let Some(snap) = load_snapshot(s, scope, v).await {
+                if snap.field_digests.get(merge::LIFE) == life.as_ref() {
                     bases.insert(v, snap);
                 }
             }
         }
     }
     bases
+}
+
+/// The snapshot of `version` as stored: its record, and when that is a link, the records
+/// below it down to the chain's whole snapshot (see [`history`]). `None` when a record is
+/// missing, unreadable or does not fit the chain.
+async fn load_snapshot(s: &Shared, scope: &Scope, version: u64) -> Option<Snapshot> {
+    let mut chain = Vec::new();
+    let mut at = version;
+    loop {
+        let bytes = s.records.get(&scope.history(at)).await.ok()??;
+        let record = serde_json::from_slice::<Snapshot>(&bytes).ok()?;
+        let below = record.after.as_ref().map(|link| link.version);
+        chain.push(record);
+        match below {
+            None => break,
+            Some(v) if v + 1 == at && chain.len() < history::CHAIN as usize => at = v,
+            Some(_) => return None,
+        }
+    }
+    history::assemble(chain)
 }
