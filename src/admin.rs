@@ -35,7 +35,7 @@ pub async fn serve(
         peer: Some(conn.peer.ip()),
         ..admin.clone()
     };
-    crate::server::serve_with(listener, make, false, stop, Duration::from_secs(1)).await;
+    crate::server::serve_with(listener, make, false, None, stop, Duration::from_secs(1)).await;
 }
 
 /// The admin endpoints as a service. Probes (`/healthz`, `/readyz`) answer any caller the

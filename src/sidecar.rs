@@ -256,11 +256,24 @@ pub async fn start(args: ProxyArgs) -> Result<Running, StartError> {
                 let metrics = metrics.clone();
                 move |conn| crate::proxy::Edge::new(metrics.clone(), destinations.for_connection(conn))
             };
-            let serving = crate::server::serve_with(listener, make(), transparent, shutdown.clone(), grace);
+            // Requests the HTTP parser answered itself are counted as any other answer.
+            let unparsed: crate::server::OnUnparsed = {
+                let metrics = metrics.clone();
+                Arc::new(move |status, code| metrics.request("unparsed", status, code))
+            };
+            let serving = crate::server::serve_with(
+                listener,
+                make(),
+                transparent,
+                Some(unparsed.clone()),
+                shutdown.clone(),
+                grace,
+            );
             // Transparent mode: IPv6 connections redirected by the ip6tables rules arrive here.
             let serving_v6 = async {
                 if let Some(l) = listener_v6 {
-                    crate::server::serve_with(l, make(), transparent, shutdown.clone(), grace).await
+                    crate::server::serve_with(l, make(), transparent, Some(unparsed.clone()), shutdown.clone(), grace)
+                        .await
                 }
             };
             let began = async {

@@ -44,6 +44,40 @@ pub const MAX_HEADERS: usize = 100;
 /// Largest request head buffered, in bytes.
 pub const MAX_HEAD_BYTES: usize = 64 * 1024;
 
+/// Told of every request the HTTP parser itself answered or cut (it never reached the
+/// service): its status (0 when the connection was cut unanswered) and error code.
+pub type OnUnparsed = Arc<dyn Fn(u16, &'static str) + Send + Sync>;
+
+/// What hyper did with a request it could not parse, from the error its connection ended
+/// with: the answer it wrote (431 head too large, 414 URI too long, 400 anything else), or a
+/// head that took too long (cut unanswered, status 0). `None` for everything else (the client
+/// went away, an HTTP/2 preface closed unanswered).
+fn unparsed(error: &hyper::Error) -> Option<(u16, &'static str)> {
+    use std::error::Error as _;
+    if error.is_parse() {
+        if error.is_parse_version_h2() {
+            return None;
+        }
+        if error.is_parse_too_large() {
+            // hyper tells the two apart only in its message.
+            return Some(if error.to_string().contains("URI") {
+                (414, "uri_too_long")
+            } else {
+                (431, "head_too_large")
+            });
+        }
+        if error.to_string().contains("internal error") {
+            return None;
+        }
+        return Some((400, "malformed_request"));
+    }
+    let timed_out = error
+        .source()
+        .and_then(|e| e.downcast_ref::<std::io::Error>())
+        .is_some_and(|e| e.kind() == std::io::ErrorKind::TimedOut);
+    timed_out.then_some((0, "head_timeout"))
+}
+
 /// What the handler learns about the connection a request came on.
 #[derive(Clone, Copy, Debug)]
 pub struct Conn {
@@ -90,12 +124,13 @@ where
             async move { Ok::<_, Infallible>(answer.await) }
         })
     };
-    serve_with(listener, make, false, shutdown, grace).await
+    serve_with(listener, make, false, None, shutdown, grace).await
 }
 
 /// Like [`serve`], with a `tower::Service` made once per connection by `make` (told the
 /// connection's details); `original_dst` says whether to look up each accepted connection's
-/// original destination (transparent interception).
+/// original destination (transparent interception); `on_unparsed` is told of the requests
+/// the HTTP parser answered itself.
 ///
 /// Around the service, per connection (`Connection`): `Connection: close` put on the
 /// answer once shutdown began (the
@@ -105,6 +140,7 @@ pub async fn serve_with<M, S, B>(
     listener: TcpListener,
     make: M,
     original_dst: bool,
+    on_unparsed: Option<OnUnparsed>,
     shutdown: CancellationToken,
     grace: Duration,
 ) where
@@ -159,6 +195,7 @@ pub async fn serve_with<M, S, B>(
         let builder = builder.clone();
         let trimmer = trimmer.clone();
         let (graceful, hard) = (graceful.clone(), hard_stop.clone());
+        let on_unparsed = on_unparsed.clone();
         let intercepted = conn
             .original_dst
             .filter(|dst| !own.is_some_and(|own| self::intercept::is_own(*dst, own)));
@@ -210,6 +247,9 @@ pub async fn serve_with<M, S, B>(
                     Err(error) if idled && error.is_incomplete_message() => {}
                     Ok(()) => return,
                     Err(error) => {
+                        if let (Some(told), Some((status, code))) = (&on_unparsed, unparsed(&error)) {
+                            told(status, code);
+                        }
                         tracing::debug!(%error, %peer, "connection ended with an error");
                         return;
                     }

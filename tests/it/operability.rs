@@ -976,3 +976,59 @@ async fn the_store_traffic_of_writes_is_counted_by_op_and_status() {
         "{metrics}"
     );
 }
+
+/// Requests the HTTP parser answers itself (a head too large, a malformed header line) never
+/// reach the proxy's service: they are counted in `requests_total` as route `unparsed`, as
+/// any other answer, and so is a head cut after the head timeout (status 0, unanswered). An
+/// HTTP/2 preface, closed unanswered, is not a request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_of_the_http_parser_are_counted() {
+    let s = store().await;
+    let running = proxy(proxy_args(s.addr, None)).await;
+    let addr = running.addr;
+    let raw = move |bytes: Vec<u8>| async move {
+        let mut conn = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        let _ = conn.write_all(&bytes).await;
+        let mut answer = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(5), conn.read_to_end(&mut answer)).await;
+        String::from_utf8_lossy(&answer).into_owned()
+    };
+    // A head that stops half-way is cut after the head timeout (10 s), unanswered.
+    let stalled = tokio::spawn(async move {
+        let mut conn = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        conn.write_all(b"GET /v1/sessions/a HTTP/1.1\r\nhost: st")
+            .await
+            .expect("send");
+        let mut answer = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(15), conn.read_to_end(&mut answer)).await;
+        (read.is_ok(), answer)
+    });
+    let big = format!(
+        "GET /v1/sessions/a HTTP/1.1\r\nhost: store\r\nx-big: {}\r\n\r\n",
+        "y".repeat(70_000)
+    );
+    // Only the count is checked: the client's unread bytes may reset the connection first.
+    let _ = raw(big.into_bytes()).await;
+    let answer = raw(b"GET /v1/sessions/a HTTP/1.1\r\nhost: store\r\nbad header\r\n\r\n".to_vec()).await;
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    let _ = raw(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec()).await;
+    let cut = tokio::time::timeout(Duration::from_secs(20), stalled).await;
+    assert!(
+        matches!(cut, Ok(Ok((true, ref answer))) if answer.is_empty()),
+        "{cut:?}"
+    );
+    let text = running.metrics.encode();
+    let mut unparsed: Vec<&str> = text.lines().filter(|l| l.contains(r#"route="unparsed""#)).collect();
+    unparsed.sort_unstable();
+    assert_eq!(
+        unparsed,
+        [
+            r#"turnlock_requests_total{route="unparsed",status="0",error="head_timeout"} 1"#,
+            r#"turnlock_requests_total{route="unparsed",status="400",error="malformed_request"} 1"#,
+            r#"turnlock_requests_total{route="unparsed",status="431",error="head_too_large"} 1"#,
+        ],
+        "{text}"
+    );
+    running.stop().await;
+    s.stop().await;
+}

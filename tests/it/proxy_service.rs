@@ -163,6 +163,7 @@ async fn a_panicking_handler_answers_500_and_the_connection_serves_the_next_requ
         listener,
         make,
         false,
+        None,
         shutdown.clone(),
         Duration::from_secs(1),
     ));
