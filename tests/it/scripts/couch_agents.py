@@ -9,7 +9,9 @@ line: the ids of the writes the store answered 2xx, the other answers, and the 4
 usage: couch_agents.py ENDPOINTS DOC_PATH AGENTS WRITES [DIRECT]
 
 With DIRECT, one more agent writes straight to the store at DIRECT, re-reading on its 409s
-(a careful writer beside the sidecars).
+(a careful writer beside the sidecars). It makes at least WRITES writes and goes on until the
+other agents are done (at most 20 * WRITES), so its writes overlap theirs however the machine
+schedules them.
 """
 import json
 import random
@@ -26,6 +28,7 @@ direct = sys.argv[5] if len(sys.argv) > 5 else None
 
 lock = threading.Lock()
 acked, errors, conflicts, answers = [], [], [0], []
+others_done = threading.Event()
 
 
 def call(method, url, doc=None):
@@ -45,7 +48,9 @@ def call(method, url, doc=None):
 def agent(i, base=None):
     url = (base or endpoints[i % len(endpoints)]) + path
     rng = random.Random(i)
-    for k in range(writes):
+    for k in range(writes * 20 if base else writes):
+        if base and k >= writes and others_done.is_set():
+            break
         mid = f"a{i}-{k}"
         status, doc = call("GET", url)
         if status != 200:
@@ -77,11 +82,13 @@ def agent(i, base=None):
 
 
 threads = [threading.Thread(target=agent, args=(i,)) for i in range(agents)]
-if direct:
-    threads.append(threading.Thread(target=agent, args=(agents, direct)))
-for t in threads:
+careful = [threading.Thread(target=agent, args=(agents, direct))] if direct else []
+for t in threads + careful:
     t.start()
 for t in threads:
+    t.join(timeout=120)
+others_done.set()
+for t in careful:
     t.join(timeout=120)
 status, final = call("GET", endpoints[-1] + path)
 print(json.dumps({"acked": acked, "errors": errors, "conflicts": conflicts[0], "answers": answers[:3], "final": final}))
