@@ -644,16 +644,27 @@ pub(super) async fn load_bases(
 /// below it down to the chain's whole snapshot (see [`history`]). `None` when a record is
 /// missing, unreadable or does not fit the chain.
 async fn load_snapshot(s: &Shared, scope: &Scope, version: u64) -> Option<Snapshot> {
-    let mut chain = Vec::new();
-    let mut at = version;
-    loop {
-        let bytes = s.records.get(&scope.history(at)).await.ok()??;
-        let record = serde_json::from_slice::<Snapshot>(&bytes).ok()?;
-        let below = record.after.as_ref().map(|link| link.version);
+    let bytes = s.records.get(&scope.history(version)).await.ok()??;
+    let newest = serde_json::from_slice::<Snapshot>(&bytes).ok()?;
+    let Some(link) = &newest.after else {
+        return Some(newest);
+    };
+    if link.version + 1 != version {
+        return None;
+    }
+    // A link: the records below it, down to its chain's whole snapshot at the most, in one
+    // round trip; the walk stops at the first whole one.
+    let below: Vec<u64> = history::chain_below(version).collect();
+    let keys: Vec<String> = below.iter().map(|v| scope.history(*v)).collect();
+    let found = s.records.get_many(&keys).await.ok()?;
+    let mut chain = vec![newest];
+    for (at, bytes) in below.into_iter().zip(found) {
+        let record = serde_json::from_slice::<Snapshot>(&bytes?).ok()?;
+        let next = record.after.as_ref().map(|link| link.version);
         chain.push(record);
-        match below {
+        match next {
             None => break,
-            Some(v) if v + 1 == at && chain.len() < history::CHAIN as usize => at = v,
+            Some(v) if v + 1 == at => {}
             Some(_) => return None,
         }
     }
