@@ -326,7 +326,10 @@ where
     type Future = Answer<<TowerToHyperService<S> as hyper::service::Service<Request<RequestBody>>>::Future>;
 
     fn call(&self, mut req: Request<Incoming>) -> Self::Future {
-        if req.headers().contains_key(http::header::UPGRADE) {
+        // hyper keeps an HTTP/1.1 connection whose request named an `Upgrade` only if it is
+        // upgraded: any other answer is its last, and says so.
+        let asked_upgrade = req.headers().contains_key(http::header::UPGRADE);
+        if asked_upgrade {
             req.extensions_mut().insert(self.outliving.clone());
         }
         // Busy from here (hyper has the head) until the answer's body is dropped, and while
@@ -338,6 +341,7 @@ where
         Answer {
             answer: hyper::service::Service::call(&self.inner, req.map(|body| Tracked::request(body, reading))),
             version,
+            asked_upgrade,
             draining: self.draining.clone(),
             request: Some(request),
         }
@@ -351,6 +355,7 @@ pin_project_lite::pin_project! {
         #[pin]
         answer: F,
         version: http::Version,
+        asked_upgrade: bool,
         draining: Arc<CancellationToken>,
         request: Option<InFlight>,
     }
@@ -377,7 +382,8 @@ where
         // the connection): the answer says so, as it does once the drain began.
         let ends_with_connection =
             version == http::Version::HTTP_10 && http_body::Body::size_hint(res.body()).exact().is_none();
-        if this.draining.is_cancelled() || activity.take_unread() || ends_with_connection {
+        let upgrade_refused = *this.asked_upgrade && res.status() != http::StatusCode::SWITCHING_PROTOCOLS;
+        if this.draining.is_cancelled() || activity.take_unread() || ends_with_connection || upgrade_refused {
             close_after(&mut res);
             if version == http::Version::HTTP_10 {
                 // Else hyper, answering an HTTP/1.0 client that asked for keep-alive with

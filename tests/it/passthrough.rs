@@ -443,3 +443,30 @@ async fn a_stalled_upload_is_cut_and_gives_its_store_connection_back() {
     .await;
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
 }
+
+/// A request naming an `Upgrade` that is not upgraded (the store refuses it, or the header
+/// came without `Connection: upgrade`) is the connection's last: hyper closes it after the
+/// answer, and the answer says so, so that a keep-alive client does not send its next request
+/// into a closing connection.
+#[tokio::test]
+async fn an_upgrade_not_made_closes_the_connection_and_the_answer_says_so() {
+    let store = upgrade_echo_server().await;
+    let proxy = proxy(proxy_args(store, None)).await;
+    let requests: [&[u8]; 2] = [
+        // The store answers 426: it wants `Upgrade: websocket`.
+        b"GET /v1/sessions/s1/live HTTP/1.1\r\nhost: store\r\nconnection: upgrade\r\nupgrade: other\r\n\r\n",
+        // A stray `Upgrade` header, no `Connection: upgrade`.
+        b"GET /v1/sessions/s1/live HTTP/1.1\r\nhost: store\r\nupgrade: websocket\r\n\r\n",
+    ];
+    for request in requests {
+        let mut client = TcpStream::connect(proxy.addr).await.expect("connect");
+        client.write_all(request).await.expect("send");
+        let head = read_head(&mut client).await.expect("response head");
+        let lower = head.to_ascii_lowercase();
+        assert!(!head.starts_with("HTTP/1.1 101"), "{head}");
+        assert!(lower.contains("\r\nconnection: close"), "{head}");
+        let mut rest = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(5), client.read_to_end(&mut rest)).await;
+        assert!(matches!(read, Ok(Ok(_))), "the connection stayed open: {read:?}");
+    }
+}
