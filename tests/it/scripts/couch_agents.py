@@ -10,8 +10,10 @@ usage: couch_agents.py ENDPOINTS DOC_PATH AGENTS WRITES [DIRECT]
 
 With DIRECT, one more agent writes straight to the store at DIRECT, re-reading on its 409s
 (a careful writer beside the sidecars). It makes at least WRITES writes and goes on until the
-other agents are done (at most 20 * WRITES), so its writes overlap theirs however the machine
-schedules them.
+other agents are done (at most 20 * WRITES), 10-30 ms apart, so that its writes overlap
+theirs however the machine schedules them, at a pace that leaves the sidecars room to commit
+(a writer that rewrites the document back to back can keep every other writer's
+conditional write failing, with or without turnlock).
 """
 import json
 import random
@@ -49,8 +51,10 @@ def agent(i, base=None):
     url = (base or endpoints[i % len(endpoints)]) + path
     rng = random.Random(i)
     for k in range(writes * 20 if base else writes):
-        if base and k >= writes and others_done.is_set():
-            break
+        if base:
+            if k >= writes and others_done.is_set():
+                break
+            time.sleep(0.01 + rng.random() * 0.02)
         mid = f"a{i}-{k}"
         status, doc = call("GET", url)
         if status != 200:
