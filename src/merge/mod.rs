@@ -19,12 +19,13 @@ mod patch;
 mod put;
 mod raw;
 mod replace;
+mod resume;
 
 use self::append::append_new;
 pub use self::batch::BatchDoc;
 #[cfg(test)]
 use self::put::without_id;
-pub use self::raw::{with_version, DigestCache, Finished, NotADocument, RawBatch, RawDocument};
+pub use self::raw::{with_version, DigestCache, Digested, Finished, NotADocument, RawBatch, RawDocument};
 
 /// A session document: a JSON object with `session`, `turn`, `version`, `messages`, and any
 /// other fields, which belong to the application and survive every write.

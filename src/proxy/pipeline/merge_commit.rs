@@ -17,7 +17,7 @@ use super::{MergeWrite, Shared, MAX_ATTEMPTS};
 use crate::http::etag_for;
 use crate::lock::Lease;
 use crate::merge::{
-    self, history, BatchDoc, DigestCache, Document, Finished, MergeError, Op, RandomIds, RawBatch, Snapshot,
+    self, history, BatchDoc, DigestCache, Digested, Document, Finished, MergeError, Op, RandomIds, RawBatch, Snapshot,
 };
 use crate::proxy::answer::Answer;
 use crate::proxy::error::WriteError;
@@ -134,7 +134,7 @@ pub(super) async fn merge_attempts(
             .body
             .as_deref()
             .filter(|_| raw_fits)
-            .and_then(|bytes| RawBatch::parse(session, bytes, &lock(&digests)));
+            .and_then(|bytes| RawBatch::parse(session, bytes, &mut lock(&digests)));
         let (merged, results, current_version) = match raw {
             Some(mut doc) => {
                 let version = doc.version();
@@ -145,7 +145,7 @@ pub(super) async fn merge_attempts(
                         _ => Err(MergeError::NotFound),
                     })
                     .collect();
-                (Merged::Raw(doc), results, version)
+                (Merged::Raw(Box::new(doc)), results, version)
             }
             None => {
                 let current = match fetched.body.as_deref().map(crate::upstream::parse_document).transpose() {
@@ -227,10 +227,8 @@ pub(super) async fn merge_attempts(
                     .await,
                     Ok(Ok(Some(left))) if left > history::renewal_margin(s.settings.history_ttl)
                 );
-            Some((
-                written.snapshot_json(new_version, &mut lock(&digests), chained),
-                chained,
-            ))
+            let (json, digested) = written.snapshot_json(new_version, &mut lock(&digests), chained);
+            Some((json, chained, digested))
         };
         let (put, snapshot) = tokio::join!(put, snapshot);
         // The slot is left to expire after a write-back that may still land (see `merge_batch`).
@@ -240,7 +238,7 @@ pub(super) async fn merge_attempts(
                 let timed_out = matches!(first, UpstreamError::Timeout(_));
                 let again = WriteBack {
                     path,
-                    body,
+                    body: body.clone(),
                     precondition: &precondition,
                     store,
                     version: new_version,
@@ -263,7 +261,9 @@ pub(super) async fn merge_attempts(
         match put {
             Ok(etag) => {
                 // Only a merged PUT reads a snapshot back: without such a route none is kept.
-                if let Some((snapshot, chained)) = snapshot {
+                let mut digested = None;
+                if let Some((snapshot, chained, made)) = snapshot {
+                    digested = made;
                     records.push(Entry {
                         key: queue.scope.history(new_version),
                         value: Bytes::from(snapshot),
@@ -285,6 +285,11 @@ pub(super) async fn merge_attempts(
                 let status = if created { StatusCode::CREATED } else { StatusCode::OK };
                 let etag = etag.unwrap_or_else(|| etag_for(new_version));
                 let turn = written.turn();
+                // The next batch of this proxy on the document parses only what others
+                // appended after what this one wrote (see `merge::resume`).
+                if let Written::Raw(done) = written {
+                    done.remember(body, digested, &mut lock(&digests));
+                }
                 let answers = results
                     .into_iter()
                     .map(|r| match r {
@@ -385,13 +390,13 @@ impl WriteBack<'_> {
 enum Merged<'a> {
     /// Merged on parsed values, with the store-managed fields set apart before the merge.
     Values(Document, store_fields::Managed),
-    Raw(RawBatch<'a>),
+    Raw(Box<RawBatch<'a>>),
 }
 
 /// A batch merged and written out at its new version.
 enum Written<'a> {
     Values(Document),
-    Raw(Finished<'a>),
+    Raw(Box<Finished<'a>>),
 }
 
 impl<'a> Merged<'a> {
@@ -413,7 +418,7 @@ impl<'a> Merged<'a> {
             Merged::Raw(doc) => {
                 let mut finished = doc.finish(version, life);
                 let body = Bytes::from(std::mem::take(&mut finished.body));
-                (Written::Raw(finished), body)
+                (Written::Raw(Box::new(finished)), body)
             }
         }
     }
@@ -438,10 +443,13 @@ impl Written<'_> {
 
     /// The snapshot of the version written, serialized: whole, or `chained` to the previous
     /// version's (only where [`may_chain`](Self::may_chain)).
-    fn snapshot_json(&self, version: u64, cache: &mut DigestCache, chained: bool) -> Vec<u8> {
+    fn snapshot_json(&self, version: u64, cache: &mut DigestCache, chained: bool) -> (Vec<u8>, Option<Digested>) {
         match self {
-            Written::Values(doc) => serde_json::to_vec(&Snapshot::of(doc)).unwrap_or_default(),
-            Written::Raw(doc) => doc.snapshot_json(version, cache, chained),
+            Written::Values(doc) => (serde_json::to_vec(&Snapshot::of(doc)).unwrap_or_default(), None),
+            Written::Raw(doc) => {
+                let (json, digested) = doc.snapshot_json(version, cache, chained);
+                (json, Some(digested))
+            }
         }
     }
 }
