@@ -1056,3 +1056,25 @@ async fn a_redis_connection_cut_under_a_write_does_not_hold_up_the_session() {
     let ids = message_ids(&get_doc(&client(store.addr), "cut").await.json);
     assert_eq!(ids, ["seed", "during", "after"]);
 }
+
+/// A message's numbers are stored as the agent sent them: a double that takes all 17
+/// significant digits comes back the same, not rounded to a neighbour.
+#[tokio::test]
+async fn numbers_in_messages_are_stored_as_sent() {
+    let s = stack().await;
+    let (status, _) = raw(
+        s.proxy.addr,
+        Method::POST,
+        "/v1/sessions/n1/messages",
+        "application/json",
+        br#"{"turn":1,"messages":[{"id":"m1","content":[0.9424502837770503,2.2250738585072014e-308,-7.0e-10,123]}]}"#,
+    )
+    .await;
+    assert_eq!(status, StatusCode::CREATED);
+    let (status, doc) = raw(s.store.addr, Method::GET, "/v1/sessions/n1", "application/json", b"").await;
+    assert_eq!(status, StatusCode::OK);
+    let stored = doc["messages"][0]["content"].to_string();
+    assert_eq!(stored, "[0.9424502837770503,2.2250738585072014e-308,-7e-10,123]");
+    s.proxy.stop().await;
+    s.store.stop().await;
+}
