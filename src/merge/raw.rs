@@ -305,11 +305,10 @@ impl<'a> RawBatch<'a> {
         // The shared messages, where they are in the document read.
         let (shift, from) = (resumed.shared_at, last.list.start);
         let mut messages = Vec::with_capacity(last.ranges.len() + resumed.added.len() + 16);
-        messages.extend(
-            last.ranges
-                .iter()
-                .map(|r| Message::Stored(&stored[r.start - from + shift..r.end - from + shift])),
-        );
+        for r in &last.ranges {
+            let at = r.start.checked_sub(from)? + shift..r.end.checked_sub(from)? + shift;
+            messages.push(Message::Stored(stored.get(at)?));
+        }
         let mut members = resumed.before;
         let at = members.len();
         for (key, value) in resumed.after {

@@ -130,9 +130,9 @@ fn parse_list(doc: &[u8], at: usize) -> Option<(Vec<&[u8]>, usize)> {
     // `text[1..]` is `doc[at..]`.
     let messages = offsets
         .into_iter()
-        .map(|r| &doc[at + r.start - 1..at + r.end - 1])
-        .collect();
-    Some((messages, at + end - 1))
+        .map(|r| doc.get(at + r.start.checked_sub(1)?..at + r.end.checked_sub(1)?))
+        .collect::<Option<_>>()?;
+    Some((messages, at + end.checked_sub(1)?))
 }
 
 /// The members after the message list (from past its `]` to the object's end), checked;
@@ -165,7 +165,8 @@ fn members_after_list(doc: &[u8], at: usize) -> Option<MemberList<'_>> {
         if key == "messages" {
             return None;
         }
-        members.push((Cow::Owned(key), &doc[base + r.start - 1..base + r.end - 1]));
+        let value = doc.get(base + r.start.checked_sub(1)?..base + r.end.checked_sub(1)?)?;
+        members.push((Cow::Owned(key), value));
     }
     Some(members)
 }
