@@ -164,10 +164,7 @@ async fn a_put_based_on_a_previous_life_is_not_merged_into_the_next() {
         .expect("delete");
     assert!(r.status.is_success(), "{}", r.json);
     assert_eq!(append(&agent, "life", 1, "new-1").await.status, StatusCode::CREATED);
-    let r = agent
-        .send(Method::PUT, "/v1/sessions/life", Some(&copy), &[])
-        .await
-        .expect("put");
+    let r = put_doc(&agent, "life", &copy).await;
     assert_eq!(
         (r.status, r.json["error"].as_str()),
         (StatusCode::CONFLICT, Some("conflict")),
@@ -219,10 +216,7 @@ async fn a_snapshot_of_the_previous_life_is_never_the_base_of_the_next() {
         .as_array_mut()
         .expect("messages")
         .retain(|m| m["id"] != "d-1");
-    let r = agent
-        .send(Method::PUT, "/v1/sessions/lives", Some(&copy), &[])
-        .await
-        .expect("put");
+    let r = put_doc(&agent, "lives", &copy).await;
     assert!(r.status.is_success(), "{}", r.json);
     let stored = get_doc(&direct, "lives").await;
     assert_eq!(message_ids(&stored.json), ["new-1"]);

@@ -9,7 +9,7 @@ use std::time::Duration;
 use http::StatusCode;
 
 use crate::support::{
-    append, append_ids, client, get_doc, message_ids, proxy, proxy_args, store, Monitor, RedisServer,
+    append, append_ids, client, get_doc, message_ids, proxy, proxy_args, put_doc, store, Monitor, RedisServer,
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -72,10 +72,7 @@ async fn records_stored_with_the_release_answer_retries_and_merges() {
         .await
         .expect("append");
     assert!(r.status.is_success());
-    let put = c
-        .send(Method::PUT, "/v1/sessions/r1", Some(&copy), &[])
-        .await
-        .expect("put");
+    let put = put_doc(&c, "r1", &copy).await;
     assert!(put.status.is_success(), "{:?}", put.json);
     let doc = get_doc(&c, "r1").await.json;
     assert_eq!(message_ids(&doc), vec!["m1".to_owned(), "m2".to_owned()]);
@@ -201,10 +198,7 @@ async fn a_broken_chain_refuses_the_put_and_a_version_written_past_turnlock_star
     assert!(append(&agent, "gone", 1, "m6").await.status.is_success());
     let mut dropping = copy.clone();
     dropping["messages"].as_array_mut().expect("messages").remove(0);
-    let r = agent
-        .send(Method::PUT, "/v1/sessions/gone", Some(&dropping), &[])
-        .await
-        .expect("put");
+    let r = put_doc(&agent, "gone", &dropping).await;
     assert_eq!(
         (r.status, r.json["error"].as_str()),
         (StatusCode::CONFLICT, Some("conflict")),
@@ -217,10 +211,7 @@ async fn a_broken_chain_refuses_the_put_and_a_version_written_past_turnlock_star
     seed(&agent, "past", 300).await;
     let mut changed = get_doc(&direct, "past").await.json;
     changed["messages"].as_array_mut().expect("messages").remove(1);
-    let r = direct
-        .send(Method::PUT, "/v1/sessions/past", Some(&changed), &[])
-        .await
-        .expect("direct put");
+    let r = put_doc(&direct, "past", &changed).await;
     assert!(r.status.is_success(), "{}", r.json);
     assert!(append(&agent, "past", 1, "m3").await.status.is_success());
     let copy = get_doc(&agent, "past").await.json;
@@ -230,10 +221,7 @@ async fn a_broken_chain_refuses_the_put_and_a_version_written_past_turnlock_star
     assert!(append(&agent, "past", 1, "m4").await.status.is_success());
     let mut dropping = copy.clone();
     dropping["messages"].as_array_mut().expect("messages").remove(0);
-    let r = agent
-        .send(Method::PUT, "/v1/sessions/past", Some(&dropping), &[])
-        .await
-        .expect("put");
+    let r = put_doc(&agent, "past", &dropping).await;
     assert!(r.status.is_success(), "{}", r.json);
     let ids = message_ids(&get_doc(&direct, "past").await.json);
     assert_eq!(ids.len(), 300, "{ids:?}");
@@ -272,10 +260,7 @@ async fn a_link_renews_the_records_below_it() {
     let (record, _) = history_record(&redis, "renew", 3).expect("version 3's record");
     assert!(record.get("after").is_none(), "{record}");
     copy["messages"].as_array_mut().expect("messages").remove(0);
-    let r = agent
-        .send(Method::PUT, "/v1/sessions/renew", Some(&copy), &[])
-        .await
-        .expect("put");
+    let r = put_doc(&agent, "renew", &copy).await;
     assert!(r.status.is_success(), "{}", r.json);
     let ids = message_ids(&get_doc(&agent, "renew").await.json);
     assert_eq!(

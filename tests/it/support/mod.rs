@@ -434,6 +434,14 @@ pub async fn get_doc(client: &JsonClient, session: &str) -> Reply {
         .expect("GET document")
 }
 
+/// A whole document `PUT` through `client` (a merged PUT through a proxy).
+pub async fn put_doc(client: &JsonClient, session: &str, doc: &serde_json::Value) -> Reply {
+    client
+        .send(http::Method::PUT, &format!("/v1/sessions/{session}"), Some(doc), &[])
+        .await
+        .expect("PUT document")
+}
+
 /// A `turnlock proxy` process on free ports, with its addresses; killed on drop.
 pub struct ProxyProc {
     pub proc: Proc,
