@@ -443,7 +443,10 @@ pub fn table(r: &Report) -> String {
         r.phase_secs,
         if r.quick { " (quick)" } else { "" }
     );
-    let _ = writeln!(s, "\nPass-through: GET of one 20-message document");
+    let _ = writeln!(
+        s,
+        "\nPass-through: GET of one 20-message document (cpu us/req: CPU time of the server wrk loads, per request; the store's on the direct rows)"
+    );
     if r.passthrough.first().is_some_and(|p| p.nginx.is_none()) {
         let _ = writeln!(
             s,
@@ -452,8 +455,8 @@ pub fn table(r: &Report) -> String {
     }
     let _ = writeln!(
         s,
-        "{:>5} {:<11} {:>10} {:>8} {:>8} {:>8} | {:>10} {:>8} {:>8}",
-        "conc", "path", "req/s", "p50 ms", "p99 ms", "p999 ms", "wrk req/s", "wrk p50", "wrk p99"
+        "{:>5} {:<11} {:>10} {:>8} {:>8} {:>8} | {:>10} {:>8} {:>8} {:>11}",
+        "conc", "path", "req/s", "p50 ms", "p99 ms", "p999 ms", "wrk req/s", "wrk p50", "wrk p99", "cpu us/req"
     );
     for p in &r.passthrough {
         let nginx = p.nginx.as_ref().map(|n| ("nginx", Some(n), &p.wrk_nginx));
@@ -473,8 +476,14 @@ pub fn table(r: &Report) -> String {
                 None => format!("{:>10} {:>8} {:>8} {:>8}", "-", "-", "-", "-"),
             };
             let wrk = match w {
-                Some(w) => format!("{:>10.0} {:>8.3} {:>8.3}", w.per_sec, w.p50_ms, w.p99_ms),
-                None => format!("{:>10} {:>8} {:>8}", "-", "-", "-"),
+                Some(w) => format!(
+                    "{:>10.0} {:>8.3} {:>8.3} {:>11}",
+                    w.per_sec,
+                    w.p50_ms,
+                    w.p99_ms,
+                    w.cpu_us_per_request.map_or("-".to_owned(), |us| format!("{us:.1}"))
+                ),
+                None => format!("{:>10} {:>8} {:>8} {:>11}", "-", "-", "-", "-"),
             };
             let _ = writeln!(s, "{:>5} {:<11} {own} | {wrk}", p.concurrency, name);
         }

@@ -164,11 +164,17 @@ impl Rig {
             };
             let (mut wrk_direct, mut wrk_proxy, mut wrk_one_thread, mut wrk_nginx) = (None, None, None, None);
             if wrk_installed {
-                wrk_direct = ok_or_warn(super::wrk::run(wrk, &direct_url, c, plan.measure).await);
-                let urls: Vec<&str> = [
-                    Some(proxy_url.as_str()),
-                    Some(one_thread_url.as_str()),
-                    nginx_url.as_deref(),
+                let store_cpu = || self.store.cpu_time();
+                wrk_direct = ok_or_warn(super::wrk::run(wrk, &direct_url, c, plan.measure, Some(&store_cpu)).await);
+                let proxy_cpu = || self.proxies[0].cpu_time();
+                let one_thread_cpu = || one_thread.cpu_time();
+                let nginx_cpu = || nginx.as_ref().and_then(procs::Child::tree_cpu_time);
+                let urls: Vec<(&str, Option<super::wrk::CpuClock<'_>>)> = [
+                    Some((proxy_url.as_str(), Some(&proxy_cpu as super::wrk::CpuClock<'_>))),
+                    Some((one_thread_url.as_str(), Some(&one_thread_cpu))),
+                    nginx_url
+                        .as_deref()
+                        .map(|url| (url, Some(&nginx_cpu as super::wrk::CpuClock<'_>))),
                 ]
                 .into_iter()
                 .flatten()

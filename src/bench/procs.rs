@@ -77,15 +77,33 @@ impl Child {
 
     /// User plus system CPU time consumed so far.
     pub fn cpu_time(&self) -> Option<Duration> {
-        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.pid())).ok()?;
-        // The command name may contain spaces; the fields after it are fixed.
-        let rest = &stat[stat.rfind(')')? + 1..];
-        let fields: Vec<&str> = rest.split_whitespace().collect();
-        // After the name comes field 3 of stat(5) (state); utime is field 14, stime 15.
-        let utime: u64 = fields.get(11)?.parse().ok()?;
-        let stime: u64 = fields.get(12)?.parse().ok()?;
-        Some(Duration::from_secs_f64((utime + stime) as f64 / clock_ticks() as f64))
+        cpu_time_of(self.pid())
     }
+
+    /// Like [`Child::cpu_time`], with that of the process's children (nginx's worker does
+    /// the work; its master only starts it).
+    pub fn tree_cpu_time(&self) -> Option<Duration> {
+        let pid = self.pid();
+        let children = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
+        let children = children.split_whitespace().filter_map(|c| c.parse().ok());
+        Some(
+            children
+                .filter_map(cpu_time_of)
+                .fold(cpu_time_of(pid)?, |all, child| all + child),
+        )
+    }
+}
+
+/// User plus system CPU time of process `pid` (all its threads) so far.
+fn cpu_time_of(pid: u32) -> Option<Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name may contain spaces; the fields after it are fixed.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // After the name comes field 3 of stat(5) (state); utime is field 14, stime 15.
+    let utime: u64 = fields.get(11)?.parse().ok()?;
+    let stime: u64 = fields.get(12)?.parse().ok()?;
+    Some(Duration::from_secs_f64((utime + stime) as f64 / clock_ticks() as f64))
 }
 
 /// How long a process asked to stop (`SIGTERM`) may take before it is killed.

@@ -10,10 +10,27 @@ pub struct WrkRun {
     pub per_sec: f64,
     pub p50_ms: f64,
     pub p99_ms: f64,
+    /// Requests completed in the run.
+    pub requests: u64,
+    /// CPU time (user + system) the server under test spent per request, in microseconds,
+    /// when its process could be read: a figure the machine's other load moves less than
+    /// requests per second.
+    pub cpu_us_per_request: Option<f64>,
 }
 
-/// Runs `wrk` with one thread and `connections` keep-alive connections against `url`.
-pub async fn run(program: &str, url: &str, connections: usize, duration: Duration) -> Result<WrkRun, String> {
+/// Reads the CPU time (user + system) spent so far by the server under test.
+pub type CpuClock<'a> = &'a (dyn Fn() -> Option<Duration> + Sync);
+
+/// Runs `wrk` with one thread and `connections` keep-alive connections against `url`; with
+/// `cpu`, the server's CPU time per request is read around the run.
+pub async fn run(
+    program: &str,
+    url: &str,
+    connections: usize,
+    duration: Duration,
+    cpu: Option<CpuClock<'_>>,
+) -> Result<WrkRun, String> {
+    let before = cpu.and_then(|read| read());
     let secs = duration.as_secs().max(1);
     let output = tokio::process::Command::new(program)
         .args([
@@ -31,7 +48,14 @@ pub async fn run(program: &str, url: &str, connections: usize, duration: Duratio
     if !output.status.success() {
         return Err(format!("{program} failed ({}): {text}", output.status));
     }
-    parse(&text, connections).ok_or_else(|| format!("unexpected {program} output: {text}"))
+    let after = cpu.and_then(|read| read());
+    let mut run = parse(&text, connections).ok_or_else(|| format!("unexpected {program} output: {text}"))?;
+    if let (Some(before), Some(after)) = (before, after) {
+        if run.requests > 0 {
+            run.cpu_us_per_request = Some(after.saturating_sub(before).as_secs_f64() * 1e6 / run.requests as f64);
+        }
+    }
+    Ok(run)
 }
 
 /// `wrk` on each of `urls` in rounds whose order rotates (`a b c`, `b c a`, `c a b`, …), so
@@ -39,7 +63,7 @@ pub async fn run(program: &str, url: &str, connections: usize, duration: Duratio
 /// throughput is the mean of its rounds, latency percentiles their median.
 pub async fn alternate(
     program: &str,
-    urls: &[&str],
+    urls: &[(&str, Option<CpuClock<'_>>)],
     connections: usize,
     duration: Duration,
     rounds: usize,
@@ -48,7 +72,8 @@ pub async fn alternate(
     for round in 0..rounds.max(1) {
         for k in 0..urls.len() {
             let i = (round + k) % urls.len();
-            runs[i].push(run(program, urls[i], connections, duration).await);
+            let (url, cpu) = urls[i];
+            runs[i].push(run(program, url, connections, duration, cpu).await);
         }
     }
     runs.into_iter().map(combine).collect()
@@ -62,11 +87,21 @@ fn combine(runs: Vec<Result<WrkRun, String>>) -> Result<WrkRun, String> {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
     };
+    let requests: u64 = runs.iter().map(|r| r.requests).sum();
+    // All rounds' CPU over all their requests (none when a round could not be read).
+    let cpu_us_per_request = runs
+        .iter()
+        .map(|r| r.cpu_us_per_request.map(|us| us * r.requests as f64))
+        .sum::<Option<f64>>()
+        .filter(|_| requests > 0)
+        .map(|us| us / requests as f64);
     Ok(WrkRun {
         connections: first.connections,
         per_sec: runs.iter().map(|r| r.per_sec).sum::<f64>() / runs.len() as f64,
         p50_ms: median(|r| r.p50_ms),
         p99_ms: median(|r| r.p99_ms),
+        requests,
+        cpu_us_per_request,
     })
 }
 
@@ -74,8 +109,12 @@ fn parse(text: &str, connections: usize) -> Option<WrkRun> {
     let mut per_sec = None;
     let mut p50 = None;
     let mut p99 = None;
+    let mut requests = None;
     for line in text.lines().map(str::trim) {
-        if let Some(v) = line.strip_prefix("Requests/sec:") {
+        // `123456 requests in 3.00s, 187.31MB read`
+        if let Some((n, _)) = line.split_once(" requests in ") {
+            requests = n.trim().parse().ok();
+        } else if let Some(v) = line.strip_prefix("Requests/sec:") {
             per_sec = v.trim().parse().ok();
         } else if let Some(v) = line.strip_prefix("50%") {
             p50 = millis(v.trim());
@@ -88,6 +127,8 @@ fn parse(text: &str, connections: usize) -> Option<WrkRun> {
         per_sec: per_sec?,
         p50_ms: p50?,
         p99_ms: p99?,
+        requests: requests?,
+        cpu_us_per_request: None,
     })
 }
 
@@ -119,18 +160,21 @@ mod tests {
         assert!((run.per_sec - 11987.65).abs() < 1e-6);
         assert!((run.p50_ms - 0.12).abs() < 1e-9);
         assert!((run.p99_ms - 2.5).abs() < 1e-9);
+        assert_eq!(run.requests, 12000);
         assert_eq!(millis("1.5s"), Some(1500.0));
         assert_eq!(millis("abc"), None);
     }
 
     #[test]
     fn alternated_rounds_average_throughput_and_take_median_latency() {
-        let run = |per_sec, p50_ms, p99_ms| {
+        let run = |per_sec: f64, p50_ms, p99_ms| {
             Ok(WrkRun {
                 connections: 4,
                 per_sec,
                 p50_ms,
                 p99_ms,
+                requests: per_sec as u64,
+                cpu_us_per_request: Some(1e6 / per_sec),
             })
         };
         let combined =
@@ -138,6 +182,9 @@ mod tests {
         assert!((combined.per_sec - 200.0).abs() < 1e-9);
         assert!((combined.p50_ms - 2.0).abs() < 1e-9);
         assert!((combined.p99_ms - 7.0).abs() < 1e-9);
+        // 3 s of CPU over 600 requests, not the mean of the rounds' figures.
+        assert_eq!(combined.requests, 600);
+        assert!((combined.cpu_us_per_request.expect("cpu") - 5_000.0).abs() < 1e-6);
         assert!(combine(vec![run(1.0, 1.0, 1.0), Err("wrk failed".into())]).is_err());
         assert!(combine(Vec::new()).is_err());
     }
