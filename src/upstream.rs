@@ -18,6 +18,7 @@ mod store_parts;
 mod tls;
 mod web_identity;
 
+pub use self::connect::SendWatch;
 pub use self::document::{parse_document, Fetched, FetchedRaw, Precondition};
 pub use self::error::UpstreamError;
 pub use self::pool::Reserved;
@@ -360,6 +361,7 @@ impl Upstream {
         body_sent: impl std::future::Future<Output = bool>,
     ) -> Result<Response<Incoming>, UpstreamError> {
         self.add_headers(&mut req);
+        let watch = req.extensions().get::<SendWatch>().cloned();
         let res = self.pool.send(req, Instant::now() + self.timeout, None);
         tokio::pin!(res);
         tokio::select! {
@@ -368,7 +370,41 @@ impl Upstream {
                 return Err(UpstreamError::Timeout(self.timeout));
             }
         }
-        Self::timed(res, self.timeout).await
+        match watch {
+            Some(watch) => self.answer_after_taken(res, &watch).await,
+            None => Self::timed(res, self.timeout).await,
+        }
+    }
+
+    /// The answer's head, waited for at most the timeout after the store last took bytes of
+    /// the request: the end of the client's body may still be in the buffers between proxy
+    /// and store (megabytes, for a large upload), and a store reading it is not late.
+    async fn answer_after_taken<F>(
+        &self,
+        mut res: std::pin::Pin<&mut F>,
+        watch: &SendWatch,
+    ) -> Result<Response<Incoming>, UpstreamError>
+    where
+        F: Future<Output = Result<Response<Incoming>, UpstreamError>>,
+    {
+        let tick = (self.timeout / 4).max(Duration::from_millis(10));
+        let mut taken = watch.taken();
+        let mut deadline = Instant::now() + self.timeout;
+        loop {
+            let next = (Instant::now() + tick).min(deadline);
+            tokio::select! {
+                answered = &mut res => return answered,
+                _ = tokio::time::sleep_until(next) => {
+                    let now_taken = watch.taken();
+                    if now_taken.is_some() && now_taken != taken {
+                        taken = now_taken;
+                        deadline = Instant::now() + self.timeout;
+                    } else if Instant::now() >= deadline {
+                        return Err(UpstreamError::Timeout(self.timeout));
+                    }
+                }
+            }
+        }
     }
 
     /// Reads a whole response body, within the timeout and the size limit.

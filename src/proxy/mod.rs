@@ -187,7 +187,9 @@ impl Proxy {
                     .headers
                     .insert(header::TRANSFER_ENCODING, HeaderValue::from_static("chunked"));
             }
-            let (body, sent) = passthrough::Reported::new(body, upstream.timeout(), BODY_READ_TIMEOUT);
+            let watch = crate::upstream::SendWatch::default();
+            parts.extensions.insert(watch.clone());
+            let (body, sent) = passthrough::Reported::new(body, upstream.timeout(), BODY_READ_TIMEOUT, watch);
             client = Some(body.client());
             (
                 Request::from_parts(parts, body.boxed()),

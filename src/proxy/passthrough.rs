@@ -57,13 +57,17 @@ impl ClientState {
 
 impl Reported {
     /// The body, and a future that resolves `true` once the body is complete, or `false` when
-    /// the store took no more of it for `stall` although the client had sent more. A client
+    /// the store took no more of it for `stall` although the client had sent more: no frame
+    /// taken, and nothing more taken off the connection it is sent on (`watch`: a store that
+    /// reads slowly but steadily takes bytes all along, while the connection's socket buffer,
+    /// full, lets no new frame through for seconds at a time). A client
     /// that sends nothing for `idle` while the store waits for more fails the body (as
     /// nginx's `client_body_timeout` does): a stalled upload does not hold a store connection.
     pub fn new(
         inner: crate::http::Body,
         stall: Duration,
         idle: Duration,
+        watch: crate::upstream::SendWatch,
     ) -> (Self, impl std::future::Future<Output = bool>) {
         let (tx, mut rx) = oneshot::channel();
         let handed = Arc::new(Mutex::new(None));
@@ -80,13 +84,20 @@ impl Reported {
         }
         let tick = (stall / 4).max(Duration::from_millis(10));
         let sent = async move {
+            let mut taken = None;
             loop {
                 tokio::select! {
                     _ = &mut rx => return true,
                     _ = tokio::time::sleep(tick) => {
-                        let since = *lock(&handed);
-                        if since.is_some_and(|t| t.elapsed() >= stall) {
-                            return false;
+                        let now_taken = watch.taken();
+                        let moved = now_taken.is_some() && now_taken != taken;
+                        taken = now_taken;
+                        let mut since = lock(&handed);
+                        match *since {
+                            // The store took more since the last look: not stalled.
+                            Some(_) if moved => *since = Some(Instant::now()),
+                            Some(t) if t.elapsed() >= stall => return false,
+                            _ => {}
                         }
                     }
                 }

@@ -4,6 +4,7 @@
 //! `https://` store is reached over TLS (rustls), verified against the given roots.
 
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 
@@ -33,9 +34,20 @@ pub struct CappedIo {
 
 /// A connection's place under the cap, shared by the connection and the pool: a connection
 /// handed to a WebSocket tunnel gives its place back, as the tunnel may stay open for hours
-/// and the cap is there for the requests to the store.
+/// and the cap is there for the requests to the store. It also tells how far the store has
+/// taken what was sent on the connection ([`Slot::taken`]).
 #[derive(Clone)]
-pub struct Slot(Arc<Mutex<Option<OwnedSemaphorePermit>>>);
+pub struct Slot(Arc<Place>);
+
+struct Place {
+    permit: Mutex<Option<OwnedSemaphorePermit>>,
+    /// Bytes written to the connection so far.
+    written: AtomicU64,
+    /// The connection's socket while it is open, to ask the kernel how much of what was
+    /// written the store has not yet taken; cleared (under the lock) before it closes.
+    #[cfg(target_os = "linux")]
+    socket: Mutex<Option<std::os::fd::RawFd>>,
+}
 
 enum Io {
     Plain(TokioIo<TcpStream>),
@@ -43,6 +55,24 @@ enum Io {
 }
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Where a request's body is being sent: the pool names the connection it sends the request
+/// on, and whoever watches the upload reads [`Slot::taken`] of it.
+#[derive(Clone, Default)]
+pub struct SendWatch(Arc<Mutex<Option<Slot>>>);
+
+impl SendWatch {
+    /// The request goes out on the connection of `slot`.
+    pub fn watch(&self, slot: &Slot) {
+        *self.0.lock().unwrap_or_else(PoisonError::into_inner) = Some(slot.clone());
+    }
+
+    /// [`Slot::taken`] of the connection the request went out on, once it has.
+    pub fn taken(&self) -> Option<(u64, u32)> {
+        let slot = self.0.lock().unwrap_or_else(PoisonError::into_inner).clone();
+        slot?.taken()
+    }
+}
 
 // === impl CappedConnector ===
 
@@ -84,6 +114,8 @@ impl CappedConnector {
         let https = dst.scheme() == Some(&http::uri::Scheme::HTTPS);
         let host = dst.host().unwrap_or_default().trim_matches(['[', ']']).to_owned();
         let io = tower::Service::call(&mut self.inner.clone(), dst).await?;
+        #[cfg(target_os = "linux")]
+        let socket = std::os::fd::AsRawFd::as_raw_fd(io.inner());
         let io = match (https, &self.tls) {
             (false, _) => Io::Plain(io),
             (true, Some(tls)) => {
@@ -95,7 +127,12 @@ impl CappedConnector {
         };
         Ok(CappedIo {
             io,
-            slot: Slot(Arc::new(Mutex::new(permit))),
+            slot: Slot(Arc::new(Place {
+                permit: Mutex::new(permit),
+                written: AtomicU64::new(0),
+                #[cfg(target_os = "linux")]
+                socket: Mutex::new(Some(socket)),
+            })),
         })
     }
 }
@@ -124,13 +161,45 @@ impl tower::Service<Uri> for CappedConnector {
 impl Slot {
     /// Gives the connection's place under the cap back now.
     pub fn release(&self) {
-        drop(self.0.lock().unwrap_or_else(PoisonError::into_inner).take());
+        drop(self.0.permit.lock().unwrap_or_else(PoisonError::into_inner).take());
     }
 
     /// Whether the connection holds a place under the cap (not one opened outside it, nor
     /// one whose place was given back).
     pub fn capped(&self) -> bool {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner).is_some()
+        self.0.permit.lock().unwrap_or_else(PoisonError::into_inner).is_some()
+    }
+
+    /// A mark that moves whenever the store takes more of what was sent on the connection:
+    /// the bytes written to it, and those the kernel still holds for the store (not yet
+    /// acknowledged). A store that reads slowly moves it although the connection cannot be
+    /// written to for a while (the socket's buffer drains before it takes more); a store that
+    /// stopped reading does not. `None` once the connection closed, or where the kernel is
+    /// not asked.
+    pub fn taken(&self) -> Option<(u64, u32)> {
+        let written = self.0.written.load(Ordering::Relaxed);
+        #[cfg(target_os = "linux")]
+        {
+            let socket = self.0.socket.lock().unwrap_or_else(PoisonError::into_inner);
+            let fd = (*socket)?;
+            let mut unsent: libc::c_int = 0;
+            // SAFETY: `fd` is the connection's open socket: it is cleared under this lock
+            // before the socket closes. `TIOCOUTQ` (`SIOCOUTQ` on a TCP socket) writes one
+            // int to the pointer given, a live local.
+            let asked = unsafe { libc::ioctl(fd, libc::TIOCOUTQ, &mut unsent) };
+            (asked == 0).then(|| (written, u32::try_from(unsent).unwrap_or(0)))
+        }
+        #[cfg(not(target_os = "linux"))]
+        {
+            let _ = written;
+            None
+        }
+    }
+
+    fn count_written(&self, polled: &Poll<std::io::Result<usize>>) {
+        if let Poll::Ready(Ok(n)) = polled {
+            self.0.written.fetch_add(*n as u64, Ordering::Relaxed);
+        }
     }
 }
 
@@ -139,6 +208,16 @@ impl Slot {
 impl CappedIo {
     pub fn slot(&self) -> Slot {
         self.slot.clone()
+    }
+}
+
+impl Drop for CappedIo {
+    /// The socket closes after this: [`Slot::taken`] no longer asks about it.
+    fn drop(&mut self) {
+        #[cfg(target_os = "linux")]
+        {
+            *self.slot.0.socket.lock().unwrap_or_else(PoisonError::into_inner) = None;
+        }
     }
 }
 
@@ -153,7 +232,7 @@ impl Connection for CappedIo {
 
 /// Delegates one I/O call to the plain or the TLS stream.
 macro_rules! delegate {
-    ($self:ident, $io:ident => $call:expr) => {
+    ($self:expr, $io:ident => $call:expr) => {
         match &mut $self.get_mut().io {
             Io::Plain($io) => {
                 let $io = Pin::new($io);
@@ -174,8 +253,10 @@ impl Read for CappedIo {
 }
 
 impl Write for CappedIo {
-    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
-        delegate!(self, io => io.poll_write(cx, buf))
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+        let polled = delegate!(self.as_mut(), io => io.poll_write(cx, buf));
+        self.slot.count_written(&polled);
+        polled
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
@@ -194,10 +275,12 @@ impl Write for CappedIo {
     }
 
     fn poll_write_vectored(
-        self: Pin<&mut Self>,
+        mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         bufs: &[std::io::IoSlice<'_>],
     ) -> Poll<std::io::Result<usize>> {
-        delegate!(self, io => io.poll_write_vectored(cx, bufs))
+        let polled = delegate!(self.as_mut(), io => io.poll_write_vectored(cx, bufs));
+        self.slot.count_written(&polled);
+        polled
     }
 }

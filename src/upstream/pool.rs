@@ -237,6 +237,10 @@ impl Pool {
             None => self.open_or_wait(deadline).await?,
         };
         loop {
+            // An upload's watcher learns which connection carries it.
+            if let Some(watch) = req.extensions().get::<super::SendWatch>() {
+                watch.watch(&conn.slot);
+            }
             let sent = conn.tx.try_send_request(req);
             let answered = match answer_within {
                 Some(limit) => match tokio::time::timeout(limit, sent).await {

@@ -138,6 +138,72 @@ async fn a_store_that_stops_taking_the_upload_times_out() {
     upload.abort();
 }
 
+/// A store that reads every body slowly but without pause (64 KiB every 20 ms, about
+/// 3 MiB/s), then answers with the byte count.
+async fn slow_reading_store() -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let Some(head) = read_head(&mut stream).await else {
+                    return;
+                };
+                let len: usize = head
+                    .to_ascii_lowercase()
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-length:").map(|v| v.trim().parse().unwrap_or(0)))
+                    .unwrap_or(0);
+                let mut buf = vec![0u8; 64 * 1024];
+                let mut read = 0;
+                while read < len {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    match stream.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => read += n,
+                    }
+                }
+                let body = read.to_string();
+                let answer = format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{body}", body.len());
+                let _ = stream.write_all(answer.as_bytes()).await;
+            });
+        }
+    });
+    addr
+}
+
+#[tokio::test]
+async fn a_store_that_reads_an_upload_slowly_but_steadily_is_not_taken_for_stalled() {
+    let store = slow_reading_store().await;
+    let mut args = proxy_args(store, None);
+    args.upstream_timeout_ms = 300;
+    let proxy = proxy(args).await;
+    // 16 MiB offered at once: the store takes about 5 s to read it, never pausing for more
+    // than 20 ms; the socket buffers between proxy and store fill and drain all along.
+    const LEN: usize = 16 * 1024 * 1024;
+    let mut client = TcpStream::connect(proxy.addr).await.expect("connect");
+    let head = format!("POST /uploads/slowly HTTP/1.1\r\nhost: store\r\ncontent-length: {LEN}\r\n\r\n");
+    client.write_all(head.as_bytes()).await.expect("head");
+    let (mut read, mut write) = client.into_split();
+    let upload = tokio::spawn(async move {
+        let chunk = vec![b'x'; 1024 * 1024];
+        for _ in 0..LEN / chunk.len() {
+            if write.write_all(&chunk).await.is_err() {
+                return;
+            }
+        }
+    });
+    let mut answer = vec![0u8; 512];
+    let n = tokio::time::timeout(Duration::from_secs(30), read.read(&mut answer))
+        .await
+        .expect("an answer within 30 s")
+        .expect("read");
+    let answer = String::from_utf8_lossy(&answer[..n]).into_owned();
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(answer.ends_with(&LEN.to_string()), "{answer}");
+    upload.abort();
+}
+
 /// A WebSocket-style server on raw TCP: answers a request carrying `Upgrade: websocket` with
 /// 101, then echoes every byte; anything else gets 426.
 async fn upgrade_echo_server() -> SocketAddr {
