@@ -111,31 +111,36 @@ async fn a_store_that_stops_taking_the_upload_times_out() {
     let mut args = proxy_args(store, None);
     args.upstream_timeout_ms = 300;
     let proxy = proxy(args).await;
+    let started = Instant::now();
     // 64 MiB offered at once: far more than the socket buffers between proxy and store hold.
-    const LEN: usize = 64 * 1024 * 1024;
-    let mut client = TcpStream::connect(proxy.addr).await.expect("connect");
-    let head = format!("POST /uploads/huge HTTP/1.1\r\nhost: store\r\ncontent-length: {LEN}\r\n\r\n");
+    let answer = upload_at_once(proxy.addr, "/uploads/huge", 64 * 1024 * 1024, Duration::from_secs(10)).await;
+    assert!(answer.starts_with("HTTP/1.1 504"), "{answer}");
+    assert!(answer.contains("upstream_timeout"), "{answer}");
+    assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
+}
+
+/// POSTs `len` bytes to `path` through the proxy at `addr`, offered as fast as it takes them
+/// (1 MiB writes), and returns the first bytes of the answer, which must come `within`.
+async fn upload_at_once(addr: SocketAddr, path: &str, len: usize, within: Duration) -> String {
+    let mut client = TcpStream::connect(addr).await.expect("connect");
+    let head = format!("POST {path} HTTP/1.1\r\nhost: store\r\ncontent-length: {len}\r\n\r\n");
     client.write_all(head.as_bytes()).await.expect("head");
     let (mut read, mut write) = client.into_split();
     let upload = tokio::spawn(async move {
         let chunk = vec![b'x'; 1024 * 1024];
-        for _ in 0..LEN / chunk.len() {
+        for _ in 0..len / chunk.len() {
             if write.write_all(&chunk).await.is_err() {
                 return;
             }
         }
     });
-    let started = Instant::now();
     let mut answer = vec![0u8; 512];
-    let n = tokio::time::timeout(Duration::from_secs(10), read.read(&mut answer))
+    let n = tokio::time::timeout(within, read.read(&mut answer))
         .await
-        .expect("an answer within 10 s")
+        .expect("an answer in time")
         .expect("read");
-    let answer = String::from_utf8_lossy(&answer[..n]).into_owned();
-    assert!(answer.starts_with("HTTP/1.1 504"), "{answer}");
-    assert!(answer.contains("upstream_timeout"), "{answer}");
-    assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
     upload.abort();
+    String::from_utf8_lossy(&answer[..n]).into_owned()
 }
 
 /// A store that reads every body slowly but without pause (64 KiB every 20 ms, about
@@ -181,27 +186,9 @@ async fn a_store_that_reads_an_upload_slowly_but_steadily_is_not_taken_for_stall
     // 16 MiB offered at once: the store takes about 5 s to read it, never pausing for more
     // than 20 ms; the socket buffers between proxy and store fill and drain all along.
     const LEN: usize = 16 * 1024 * 1024;
-    let mut client = TcpStream::connect(proxy.addr).await.expect("connect");
-    let head = format!("POST /uploads/slowly HTTP/1.1\r\nhost: store\r\ncontent-length: {LEN}\r\n\r\n");
-    client.write_all(head.as_bytes()).await.expect("head");
-    let (mut read, mut write) = client.into_split();
-    let upload = tokio::spawn(async move {
-        let chunk = vec![b'x'; 1024 * 1024];
-        for _ in 0..LEN / chunk.len() {
-            if write.write_all(&chunk).await.is_err() {
-                return;
-            }
-        }
-    });
-    let mut answer = vec![0u8; 512];
-    let n = tokio::time::timeout(Duration::from_secs(30), read.read(&mut answer))
-        .await
-        .expect("an answer within 30 s")
-        .expect("read");
-    let answer = String::from_utf8_lossy(&answer[..n]).into_owned();
+    let answer = upload_at_once(proxy.addr, "/uploads/slowly", LEN, Duration::from_secs(30)).await;
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     assert!(answer.ends_with(&LEN.to_string()), "{answer}");
-    upload.abort();
 }
 
 /// A WebSocket-style server on raw TCP: answers a request carrying `Upgrade: websocket` with
