@@ -110,7 +110,8 @@ impl Proxy {
                     .not_a_write(req.uri().query(), req.headers(), &captures.session) =>
             {
                 // Boxed: a forwarded request's future does not carry a write's state.
-                (route.name, Box::pin(self.write(route, captures, req)).await)
+                let peer = peer.unwrap_or(SocketAddr::from(([127, 0, 0, 1], 0)));
+                (route.name, Box::pin(self.write(route, captures, req, peer)).await)
             }
             Ok(_) => (
                 "forward",
@@ -130,12 +131,19 @@ impl Proxy {
     }
 
     /// A write on `route`: parsed, then through the write pipeline.
-    async fn write(&self, route: &Route, captures: Captures, req: Request<Body>) -> Response<Body> {
+    async fn write(&self, route: &Route, captures: Captures, req: Request<Body>, peer: SocketAddr) -> Response<Body> {
         let inner = &self.inner;
         let _in_flight = inner.metrics.write_in_flight();
         let (parts, body) = req.into_parts();
         match request::parse(route, &captures, &parts, body, inner.max_body).await {
-            Ok(write) => {
+            Ok(mut write) => {
+                // A delete or a serialized write is the client's request, forwarded in its
+                // turn: it names the client as any forwarded request does.
+                if let request::Action::Delete { headers, .. } | request::Action::Serialize { headers, .. } =
+                    &mut write.action
+                {
+                    append_forwarded_for(headers, peer);
+                }
                 let (session, turn, started) = (write.session.to_string(), write.turn, Instant::now());
                 let answer = inner.pipeline.submit(write).await;
                 log_write(route.name, &session, turn, &answer, started);
@@ -153,6 +161,7 @@ impl Proxy {
     async fn forward(&self, mut req: Request<Body>, peer: SocketAddr) -> Response<Body> {
         let upstream = &self.inner.upstream;
         let upgrade = passthrough::upgrade_requested(req.headers());
+        let version = req.version();
         let client_upgrade = upgrade.as_ref().map(|_| {
             let outliving = req.extensions().get::<crate::server::Outliving>().cloned();
             (hyper::upgrade::on(&mut req), outliving)
@@ -223,7 +232,10 @@ impl Proxy {
                 if let (true, Some(protocol)) = (switched, res_protocol) {
                     passthrough::keep_upgrade(&mut parts.headers, protocol);
                 }
-                Response::from_parts(parts, body.map_err(Into::into).boxed())
+                // The answer is the proxy's, in the client's version (an HTTP/1.0 store's
+                // answer does not close a keep-alive client's connection).
+                parts.version = version;
+                Response::from_parts(parts, passthrough::Answer::new(body, upstream.timeout()).boxed())
             }
             // The client's body broke (a bad chunk, a cut connection): its request, not the
             // store, failed; neither answered nor counted as store trouble.

@@ -172,6 +172,79 @@ impl HttpBody for Reported {
     }
 }
 
+/// A store's answer body passed on to the client, given up when the store sends none of it
+/// for the upstream timeout (as nginx's `proxy_read_timeout` does between two reads): the
+/// client's answer is cut (it sees it end short) and the store's connection closed, instead
+/// of both waiting on a store that stalled. No timer is armed while the body comes as fast as
+/// it is read (most answers are whole when their head arrives).
+pub struct Answer {
+    inner: hyper::body::Incoming,
+    limit: Duration,
+    /// When the store must have sent more; armed while waiting for it.
+    stall: Option<Pin<Box<tokio::time::Sleep>>>,
+    armed: bool,
+}
+
+impl Answer {
+    pub fn new(inner: hyper::body::Incoming, limit: Duration) -> Self {
+        Self {
+            inner,
+            limit,
+            stall: None,
+            armed: false,
+        }
+    }
+}
+
+impl HttpBody for Answer {
+    type Data = Bytes;
+    type Error = crate::http::BoxError;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        let this = &mut *self;
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Pending => {
+                let limit = this.limit;
+                let deadline = tokio::time::Instant::now() + limit;
+                let stall = this
+                    .stall
+                    .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+                if !this.armed {
+                    stall.as_mut().reset(deadline);
+                    this.armed = true;
+                }
+                if stall.as_mut().poll(cx).is_pending() {
+                    return Poll::Pending;
+                }
+                if let Some(suppressed) = crate::telemetry::warn_allowed("store stalled mid-answer") {
+                    tracing::warn!(
+                        timeout_ms = limit.as_millis() as u64,
+                        suppressed,
+                        "the store sent none of an answer's body for the upstream timeout; the answer was cut"
+                    );
+                }
+                Poll::Ready(Some(Err(format!(
+                    "the context store sent none of its answer for {} ms",
+                    limit.as_millis()
+                )
+                .into())))
+            }
+            ready => {
+                this.armed = false;
+                ready.map(|frame| frame.map(|f| f.map_err(Into::into)))
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
 /// The protocol a request asks to switch to (`Connection: upgrade` with `Upgrade: …`).
 pub fn upgrade_requested(headers: &HeaderMap) -> Option<HeaderValue> {
     let asks = headers

@@ -12,6 +12,10 @@ pub enum UpstreamError {
     /// The connection to the store failed after the request may have been sent.
     #[error("the context store is unreachable: {0}")]
     Unreachable(String),
+    /// The store's answer is not HTTP hyper can read (garbage, a head framed two ways). The
+    /// request was sent: a write may have been applied.
+    #[error("the context store's answer is not valid HTTP: {0}")]
+    InvalidAnswer(String),
     /// The request never left: no connection to the store could be made, or no request could
     /// be built. Nothing was written.
     #[error("the context store could not be reached: {0}")]
@@ -29,7 +33,7 @@ pub enum UpstreamError {
 impl UpstreamError {
     /// Whether the write may have landed even though no confirmation came back.
     pub fn outcome_unknown(&self) -> bool {
-        matches!(self, Self::Timeout(_) | Self::Unreachable(_))
+        matches!(self, Self::Timeout(_) | Self::Unreachable(_) | Self::InvalidAnswer(_))
     }
 
     pub fn status(&self) -> StatusCode {
@@ -46,7 +50,7 @@ impl UpstreamError {
             Self::Unreachable(_) | Self::NotSent(_) => "upstream_unavailable",
             Self::PreconditionFailed => "upstream_conflict",
             Self::FencedOut => "fenced_out",
-            Self::Status { .. } => "upstream_error",
+            Self::Status { .. } | Self::InvalidAnswer(_) => "upstream_error",
             Self::InvalidDocument(_) => "upstream_invalid_document",
         }
     }

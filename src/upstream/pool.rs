@@ -250,6 +250,13 @@ impl Pool {
                 None => sent.await,
             };
             let mut failed = match answered {
+                Ok(res) if framed_twice(&res) => {
+                    // Where this answer ends is in doubt, and with it where the next would
+                    // begin: the connection is not given back (dropped, it closes).
+                    return Err(UpstreamError::InvalidAnswer(
+                        "framed both by Content-Length and by Transfer-Encoding".to_owned(),
+                    ));
+                }
                 Ok(res) => {
                     if res.status() == http::StatusCode::SWITCHING_PROTOCOLS {
                         // A tunnel now: no longer one of the store connections requests share.
@@ -276,6 +283,9 @@ impl Pool {
                     };
                 }
                 Some(_) => return Err(UpstreamError::NotSent(error_chain(&error))),
+                None if error.is_parse() || error.is_parse_status() || error.is_parse_too_large() => {
+                    return Err(UpstreamError::InvalidAnswer(error_chain(&error)))
+                }
                 None => return Err(UpstreamError::Unreachable(error_chain(&error))),
             }
         }
@@ -479,6 +489,15 @@ impl Shared {
         // Dropped outside the lock: each ends its connection's task, which closes the socket.
         drop(expired);
     }
+}
+
+/// Whether an answer's head states its length two ways (`Content-Length` and
+/// `Transfer-Encoding`), which RFC 9112 (6.3) bids a client to treat as an error: a store (or
+/// something in front of it) that frames one way and is read the other desynchronizes the
+/// connection.
+fn framed_twice(res: &Response<Incoming>) -> bool {
+    let headers = res.headers();
+    headers.contains_key(header::TRANSFER_ENCODING) && headers.contains_key(header::CONTENT_LENGTH)
 }
 
 /// A failure before anything was written to the store.

@@ -37,6 +37,7 @@ mod route_matching;
 mod soak;
 mod store_answers;
 mod store_edges;
+mod store_misbehaviour;
 mod tls_store;
 mod transparent_netns;
 mod weak_store;

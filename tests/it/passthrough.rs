@@ -441,6 +441,18 @@ async fn every_prior_forwarded_for_hop_is_kept() {
 }
 
 #[tokio::test]
+async fn a_session_delete_names_the_client_in_x_forwarded_for_as_a_forwarded_request_does() {
+    let proxy = proxy(proxy_args(forwarded_for_store().await, None)).await;
+    let answer = send_raw(
+        proxy.addr,
+        b"DELETE /v1/sessions/s1 HTTP/1.1\r\nhost: s\r\nx-forwarded-for: 1.1.1.1\r\nconnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(answer.ends_with("1.1.1.1, 127.0.0.1"), "{answer}");
+}
+
+#[tokio::test]
 async fn a_broken_client_body_is_the_clients_error_not_the_stores() {
     let proxy = proxy(proxy_args(counting_store(Duration::ZERO).await, None)).await;
     let answer = send_raw(

@@ -1,0 +1,223 @@
+//! Stores that answer badly, over real sockets: what the agent gets is the proxy's clear
+//! answer, and no store connection is held longer than the store's own timeout allows.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::support::ledger::eventually;
+use crate::support::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+/// What a [`raw_store`] does after writing its answer.
+#[derive(Clone, Copy)]
+enum Then {
+    /// Keeps the connection open, reading (and discarding) whatever comes.
+    Hold,
+    /// Reads nothing more for 1.5 s, then reads for 3 s: the connection counts as closed
+    /// only when the proxy closed it by then (else it is held 30 s more).
+    Deaf,
+}
+
+/// A store that answers every request's head with `answer` (raw bytes, written as they are),
+/// then does `then`. The counter tells how many of its connections are open.
+async fn raw_store(answer: &'static [u8], then: Then) -> (SocketAddr, Arc<AtomicUsize>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let open = Arc::new(AtomicUsize::new(0));
+    let counted = open.clone();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let open = counted.clone();
+            tokio::spawn(serve_raw(stream, answer, then, open));
+        }
+    });
+    (addr, open)
+}
+
+/// Serves one connection; counted in `open` while it is open, unless its request is the
+/// proxy's health check (`GET /`), which comes on connections of its own now and then.
+async fn serve_raw(mut stream: TcpStream, answer: &'static [u8], then: Then, open: Arc<AtomicUsize>) {
+    let mut head = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        match stream.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => head.extend_from_slice(&buf[..n]),
+        }
+        if head.windows(4).any(|w| w == b"\r\n\r\n") {
+            break;
+        }
+    }
+    let counted = !head.starts_with(b"GET / ");
+    if counted {
+        open.fetch_add(1, Ordering::SeqCst);
+    }
+    serve_answer(stream, answer, then).await;
+    if counted {
+        open.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+async fn serve_answer(mut stream: TcpStream, answer: &'static [u8], then: Then) {
+    let mut buf = [0u8; 4096];
+    if stream.write_all(answer).await.is_err() {
+        return;
+    }
+    match then {
+        Then::Hold => while matches!(stream.read(&mut buf).await, Ok(n) if n > 0) {},
+        Then::Deaf => {
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            let drained = tokio::time::timeout(Duration::from_secs(3), async {
+                while matches!(stream.read(&mut buf).await, Ok(n) if n > 0) {}
+            })
+            .await;
+            if drained.is_err() {
+                tokio::time::sleep(Duration::from_secs(30)).await;
+            }
+        }
+    }
+}
+
+fn args_with_timeout(store: SocketAddr, timeout_ms: u64) -> turnlock::config::ProxyArgs {
+    let mut args = proxy_args(store, None);
+    args.upstream_timeout_ms = timeout_ms;
+    args
+}
+
+/// One GET through the proxy on a connection of its own: the raw answer, and how long it took.
+async fn raw_get(proxy: SocketAddr, path: &str) -> (String, Duration) {
+    let started = Instant::now();
+    let request = format!("GET {path} HTTP/1.1\r\nhost: s\r\nconnection: close\r\n\r\n");
+    let answer = send_raw(proxy, request.as_bytes()).await;
+    (answer, started.elapsed())
+}
+
+#[tokio::test]
+async fn a_store_answer_that_is_not_http_is_a_502_saying_so() {
+    let (store, _) = raw_store(b"hello, this is not HTTP\r\n\r\n", Then::Hold).await;
+    let running = proxy(proxy_args(store, None)).await;
+    let (answer, _) = raw_get(running.addr, "/anything").await;
+    assert!(answer.starts_with("HTTP/1.1 502"), "{answer}");
+    assert!(answer.contains("not valid HTTP"), "{answer}");
+    assert!(!answer.contains("unreachable"), "{answer}");
+}
+
+#[tokio::test]
+async fn an_answer_framed_both_by_length_and_chunked_is_a_502_not_passed_on() {
+    let (store, _) = raw_store(
+        b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+        Then::Hold,
+    )
+    .await;
+    let running = proxy(proxy_args(store, None)).await;
+    let (answer, _) = raw_get(running.addr, "/anything").await;
+    assert!(answer.starts_with("HTTP/1.1 502"), "{answer}");
+}
+
+#[tokio::test]
+async fn an_http_1_0_store_answer_is_relayed_as_http_1_1_on_a_kept_connection() {
+    let (store, _) = raw_store(b"HTTP/1.0 200 OK\r\ncontent-length: 2\r\n\r\nok", Then::Hold).await;
+    let running = proxy(proxy_args(store, None)).await;
+    let mut s = TcpStream::connect(running.addr).await.expect("connect");
+    for _ in 0..2 {
+        s.write_all(b"GET /x HTTP/1.1\r\nhost: s\r\n\r\n").await.expect("send");
+        let mut got = Vec::new();
+        let mut buf = [0u8; 1024];
+        while !got.ends_with(b"ok") {
+            let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+                .await
+                .expect("an answer in time")
+                .expect("read");
+            assert!(n > 0, "closed after {:?}", String::from_utf8_lossy(&got));
+            got.extend_from_slice(&buf[..n]);
+        }
+        let got = String::from_utf8_lossy(&got);
+        assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+    }
+}
+
+#[tokio::test]
+async fn a_store_that_never_answers_is_disconnected_at_the_timeout() {
+    let (store, open) = raw_store(b"", Then::Hold).await;
+    let running = proxy(args_with_timeout(store, 300)).await;
+    let (answer, took) = raw_get(running.addr, "/slow").await;
+    assert!(answer.starts_with("HTTP/1.1 504"), "{answer}");
+    assert!(took < Duration::from_secs(3), "{took:?}");
+    // The connection that carried the unanswered request is closed, not kept until the store
+    // closes it: an answer that comes later would be nobody's.
+    let closed = eventually(Duration::from_secs(3), Duration::from_millis(20), || {
+        let open = open.clone();
+        async move { open.load(Ordering::SeqCst) == 0 }
+    })
+    .await;
+    assert!(
+        closed.is_some(),
+        "{} store connections still open",
+        open.load(Ordering::SeqCst)
+    );
+}
+
+#[tokio::test]
+async fn a_store_that_stalls_mid_answer_is_cut_at_the_timeout() {
+    let (store, open) = raw_store(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nfirst part", Then::Hold).await;
+    let running = proxy(args_with_timeout(store, 300)).await;
+    let (answer, took) = raw_get(running.addr, "/stalls").await;
+    // The head and what came were passed on; the rest never came, and the answer is cut
+    // (the client sees it short of its length) after the timeout, not after the store's whim.
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(answer.ends_with("first part"), "{answer}");
+    assert!(took < Duration::from_secs(3), "{took:?}");
+    let closed = eventually(Duration::from_secs(3), Duration::from_millis(20), || {
+        let open = open.clone();
+        async move { open.load(Ordering::SeqCst) == 0 }
+    })
+    .await;
+    assert!(
+        closed.is_some(),
+        "{} store connections still open",
+        open.load(Ordering::SeqCst)
+    );
+}
+
+#[tokio::test]
+async fn a_store_that_stops_taking_an_upload_is_disconnected_at_the_timeout() {
+    let (store, open) = raw_store(b"", Then::Deaf).await;
+    let running = proxy(args_with_timeout(store, 300)).await;
+    // 8 MiB of a 64 MiB upload, then nothing more: the client waits, its connection open.
+    let client = TcpStream::connect(running.addr).await.expect("connect");
+    let (mut read, mut write) = client.into_split();
+    let upload = tokio::spawn(async move {
+        let head = "POST /uploads/big HTTP/1.1\r\nhost: s\r\ncontent-length: 67108864\r\n\r\n";
+        write.write_all(head.as_bytes()).await.expect("head");
+        let chunk = vec![b'x'; 1024 * 1024];
+        for _ in 0..64 {
+            if write.write_all(&chunk).await.is_err() {
+                return write;
+            }
+        }
+        write
+    });
+    let mut answer = vec![0u8; 512];
+    let n = tokio::time::timeout(Duration::from_secs(5), read.read(&mut answer))
+        .await
+        .expect("an answer in time")
+        .expect("read");
+    let answer = String::from_utf8_lossy(&answer[..n]).into_owned();
+    assert!(answer.starts_with("HTTP/1.1 504"), "{answer}");
+    // The store's connection, with megabytes of the upload queued for it, is closed now, not
+    // when the client gives up on its body.
+    let closed = eventually(Duration::from_secs(5), Duration::from_millis(20), || {
+        let open = open.clone();
+        async move { open.load(Ordering::SeqCst) == 0 }
+    })
+    .await;
+    upload.abort();
+    assert!(
+        closed.is_some(),
+        "{} store connections still open",
+        open.load(Ordering::SeqCst)
+    );
+}
