@@ -395,9 +395,7 @@ impl Upstream {
             tokio::select! {
                 answered = &mut res => return answered,
                 _ = tokio::time::sleep_until(next) => {
-                    let now_taken = watch.taken();
-                    if now_taken.is_some() && now_taken != taken {
-                        taken = now_taken;
+                    if watch.moved(&mut taken) {
                         deadline = Instant::now() + self.timeout;
                     } else if Instant::now() >= deadline {
                         return Err(UpstreamError::Timeout(self.timeout));

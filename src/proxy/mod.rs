@@ -235,6 +235,18 @@ impl Proxy {
                 // The answer is the proxy's, in the client's version (an HTTP/1.0 store's
                 // answer does not close a keep-alive client's connection).
                 parts.version = version;
+                // An answer before the client's body was sent in full (an early 413): the
+                // connection cannot carry another request until the rest of the body is
+                // read, so it closes after this answer, and the answer says so.
+                if !switched
+                    && client
+                        .as_ref()
+                        .is_some_and(|c| c.get() != passthrough::ClientBody::Complete)
+                {
+                    parts
+                        .headers
+                        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+                }
                 Response::from_parts(parts, passthrough::Answer::new(body, upstream.timeout()).boxed())
             }
             // The client's body broke (a bad chunk, a cut connection): its request, not the

@@ -33,12 +33,14 @@ pub struct Reported {
 /// What became of the client's body, as [`Reported::client`] tells it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ClientBody {
-    /// Sent, or still being sent.
+    /// Still being sent.
     Fine = 0,
     /// It broke (a bad chunk, a connection cut mid-body).
     Failed = 1,
     /// The client sent nothing for the idle limit while the store waited for more.
     Stalled = 2,
+    /// Sent to its end.
+    Complete = 3,
 }
 
 /// How a forward learns what became of the client's body ([`Reported::client`]).
@@ -50,6 +52,7 @@ impl ClientState {
         match self.0.load(Ordering::Relaxed) {
             1 => ClientBody::Failed,
             2 => ClientBody::Stalled,
+            3 => ClientBody::Complete,
             _ => ClientBody::Fine,
         }
     }
@@ -80,7 +83,7 @@ impl Reported {
             stalled_at: None,
         };
         if body.inner.is_end_stream() {
-            body.finish();
+            body.complete();
         }
         let tick = (stall / 4).max(Duration::from_millis(10));
         let sent = async move {
@@ -89,9 +92,7 @@ impl Reported {
                 tokio::select! {
                     _ = &mut rx => return true,
                     _ = tokio::time::sleep(tick) => {
-                        let now_taken = watch.taken();
-                        let moved = now_taken.is_some() && now_taken != taken;
-                        taken = now_taken;
+                        let moved = watch.moved(&mut taken);
                         let mut since = lock(&handed);
                         match *since {
                             // The store took more since the last look: not stalled.
@@ -110,6 +111,11 @@ impl Reported {
     /// is the client's doing.
     pub fn client(&self) -> ClientState {
         ClientState(self.client.clone())
+    }
+
+    fn complete(&mut self) {
+        self.client.store(ClientBody::Complete as u8, Ordering::Relaxed);
+        self.finish();
     }
 
     fn finish(&mut self) {
@@ -141,8 +147,8 @@ impl HttpBody for Reported {
                 self.client.store(ClientBody::Failed as u8, Ordering::Relaxed);
                 self.finish();
             }
-            Poll::Ready(None) => self.finish(),
-            Poll::Ready(Some(Ok(_))) if self.inner.is_end_stream() => self.finish(),
+            Poll::Ready(None) => self.complete(),
+            Poll::Ready(Some(Ok(_))) if self.inner.is_end_stream() => self.complete(),
             Poll::Ready(Some(Ok(_))) => *lock(&self.handed) = Some(Instant::now()),
             Poll::Pending => {
                 let idle = self.idle;

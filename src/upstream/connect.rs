@@ -72,6 +72,15 @@ impl SendWatch {
         let slot = self.0.lock().unwrap_or_else(PoisonError::into_inner).clone();
         slot?.taken()
     }
+
+    /// Whether the store took more of the request since `last` (the mark of the previous
+    /// look, updated): a connection not known, or closed, never counts as progress.
+    pub fn moved(&self, last: &mut Option<(u64, u32)>) -> bool {
+        let now = self.taken();
+        let moved = now.is_some() && now != *last;
+        *last = now;
+        moved
+    }
 }
 
 // === impl CappedConnector ===

@@ -221,3 +221,31 @@ async fn a_store_that_stops_taking_an_upload_is_disconnected_at_the_timeout() {
         open.load(Ordering::SeqCst)
     );
 }
+
+#[tokio::test]
+async fn an_answer_before_the_upload_ended_says_the_connection_closes() {
+    let (store, _) = raw_store(
+        b"HTTP/1.1 413 Payload Too Large\r\ncontent-length: 8\r\n\r\ntoo long",
+        Then::Hold,
+    )
+    .await;
+    let running = proxy(proxy_args(store, None)).await;
+    let mut client = TcpStream::connect(running.addr).await.expect("connect");
+    // 64 KiB of a 10 MiB upload; the rest never comes.
+    let head = "PUT /uploads/big HTTP/1.1\r\nhost: s\r\ncontent-length: 10485760\r\n\r\n";
+    client.write_all(head.as_bytes()).await.expect("head");
+    client.write_all(&vec![b'x'; 64 * 1024]).await.expect("body");
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !got.ends_with(b"too long") {
+        let n = tokio::time::timeout(Duration::from_secs(5), client.read(&mut buf))
+            .await
+            .expect("an answer in time")
+            .expect("read");
+        assert!(n > 0, "closed after {:?}", String::from_utf8_lossy(&got));
+        got.extend_from_slice(&buf[..n]);
+    }
+    let got = String::from_utf8_lossy(&got).to_ascii_lowercase();
+    assert!(got.starts_with("http/1.1 413"), "{got}");
+    assert!(got.contains("\r\nconnection: close\r\n"), "{got}");
+}
