@@ -209,23 +209,10 @@ impl Proxy {
             Ok(mut res) => {
                 let switched = res.status() == StatusCode::SWITCHING_PROTOCOLS;
                 let res_protocol = res.headers().get(header::UPGRADE).cloned();
-                match (switched, client_upgrade) {
-                    (true, Some((client, outliving))) => {
-                        passthrough::tunnel(client, hyper::upgrade::on(&mut res), outliving);
-                    }
-                    // A switch nobody asked for: the client could not read what follows, and
-                    // the store's connection is no longer HTTP (it is closed with `res`).
-                    (true, None) => {
-                        let e = crate::upstream::UpstreamError::Status {
-                            status: StatusCode::SWITCHING_PROTOCOLS,
-                            body: Bytes::from_static(b"switched protocols for a request that asked for no upgrade"),
-                        };
-                        let code = e.code();
-                        let mut refused = EdgeError::Forward(e).into_response();
-                        refused.extensions_mut().insert(ErrorCode(code));
-                        return refused;
-                    }
-                    _ => {}
+                // A switch nobody asked for is refused by the pool (the client could not read
+                // what follows).
+                if let (true, Some((client, outliving))) = (switched, client_upgrade) {
+                    passthrough::tunnel(client, hyper::upgrade::on(&mut res), outliving);
                 }
                 let (mut parts, body) = res.into_parts();
                 crate::http::strip_hop_by_hop(&mut parts.headers);

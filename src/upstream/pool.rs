@@ -232,6 +232,11 @@ impl Pool {
         keep: Option<&mut Option<Taken>>,
     ) -> Result<Response<Incoming>, UpstreamError> {
         self.prepare(&mut req);
+        // A store may answer `HEAD` as it answers `GET`, body and all (nothing in the answer's
+        // head says so): those bytes would be read as the next request's answer. The
+        // connection is not used again after a `HEAD`.
+        let head = req.method() == http::Method::HEAD;
+        let upgrade_asked = req.headers().contains_key(header::UPGRADE);
         let mut conn = match conn.or_else(|| self.take_idle()) {
             Some(conn) => conn,
             None => self.open_or_wait(deadline).await?,
@@ -250,17 +255,17 @@ impl Pool {
                 None => sent.await,
             };
             let mut failed = match answered {
-                Ok(res) if framed_twice(&res) => {
-                    // Where this answer ends is in doubt, and with it where the next would
-                    // begin: the connection is not given back (dropped, it closes).
-                    return Err(UpstreamError::InvalidAnswer(
-                        "framed both by Content-Length and by Transfer-Encoding".to_owned(),
-                    ));
-                }
                 Ok(res) => {
+                    if let Some(refused) = unreadable(&res, upgrade_asked) {
+                        // The connection is not given back (dropped, it closes): where this
+                        // answer ends is in doubt, or it no longer speaks HTTP.
+                        return Err(refused);
+                    }
                     if res.status() == http::StatusCode::SWITCHING_PROTOCOLS {
                         // A tunnel now: no longer one of the store connections requests share.
                         conn.slot.release();
+                    } else if head {
+                        // Dropped: the connection closes once its answer is read.
                     } else if let Some(keep) = keep {
                         *keep = Some(Taken { reused: true, ..conn });
                     } else if conn.slot.capped() {
@@ -491,13 +496,45 @@ impl Shared {
     }
 }
 
-/// Whether an answer's head states its length two ways (`Content-Length` and
-/// `Transfer-Encoding`), which RFC 9112 (6.3) bids a client to treat as an error: a store (or
-/// something in front of it) that frames one way and is read the other desynchronizes the
-/// connection.
-fn framed_twice(res: &Response<Incoming>) -> bool {
+/// Why an answer cannot be passed on, if it cannot: its head states its length two ways
+/// (`Content-Length` and `Transfer-Encoding`, which RFC 9112 6.3 bids a client to treat as an
+/// error: a store, or something in front of it, that frames one way and is read the other
+/// desynchronizes the connection); its body is in a transfer coding other than `chunked`
+/// (hyper undoes only that one, and `Transfer-Encoding` is not passed on, so the client would
+/// get the coded bytes unannounced); or it switched protocols for a request that asked for
+/// no upgrade (the client could not read what follows).
+fn unreadable(res: &Response<Incoming>, upgrade_asked: bool) -> Option<UpstreamError> {
     let headers = res.headers();
-    headers.contains_key(header::TRANSFER_ENCODING) && headers.contains_key(header::CONTENT_LENGTH)
+    if headers.contains_key(header::TRANSFER_ENCODING) {
+        if headers.contains_key(header::CONTENT_LENGTH) {
+            return Some(UpstreamError::InvalidAnswer(
+                "framed both by Content-Length and by Transfer-Encoding".to_owned(),
+            ));
+        }
+        let codings: Vec<&[u8]> = headers
+            .get_all(header::TRANSFER_ENCODING)
+            .iter()
+            .flat_map(|v| v.as_bytes().split(|b| *b == b','))
+            .map(<[u8]>::trim_ascii)
+            .collect();
+        if codings.iter().any(|c| !c.eq_ignore_ascii_case(b"chunked")) {
+            let named = codings
+                .iter()
+                .map(|c| String::from_utf8_lossy(c))
+                .collect::<Vec<_>>()
+                .join(", ");
+            return Some(UpstreamError::InvalidAnswer(format!(
+                "transfer coding \"{named}\" is not supported (only chunked)"
+            )));
+        }
+    }
+    if res.status() == http::StatusCode::SWITCHING_PROTOCOLS && !upgrade_asked {
+        return Some(UpstreamError::Status {
+            status: http::StatusCode::SWITCHING_PROTOCOLS,
+            body: bytes::Bytes::from_static(b"switched protocols for a request that asked for no upgrade"),
+        });
+    }
+    None
 }
 
 /// A failure before anything was written to the store.

@@ -249,3 +249,107 @@ async fn an_answer_before_the_upload_ended_says_the_connection_closes() {
     assert!(got.starts_with("http/1.1 413"), "{got}");
     assert!(got.contains("\r\nconnection: close\r\n"), "{got}");
 }
+
+/// A keep-alive store of the kind that answers `HEAD` as it answers `GET`: the head at
+/// once, then, in a second write 2 ms later, the body a `HEAD` answer has none of. Any
+/// request it answers with its path.
+async fn head_with_body_store() -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut pending = Vec::new();
+                let mut buf = [0u8; 4096];
+                loop {
+                    let Some(end) = pending.windows(4).position(|w| w == b"\r\n\r\n") else {
+                        match stream.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => pending.extend_from_slice(&buf[..n]),
+                        }
+                        continue;
+                    };
+                    let head = String::from_utf8_lossy(&pending[..end]).into_owned();
+                    pending.drain(..end + 4);
+                    let path = head.split(' ').nth(1).unwrap_or("/").to_owned();
+                    let answer = format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n", path.len());
+                    if stream.write_all(answer.as_bytes()).await.is_err() {
+                        return;
+                    }
+                    if head.starts_with("HEAD ") {
+                        tokio::time::sleep(Duration::from_millis(2)).await;
+                    }
+                    if stream.write_all(path.as_bytes()).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// The body of a GET through the proxy, on a connection of its own.
+async fn body_of(proxy: SocketAddr, path: &str) -> String {
+    let (answer, _) = raw_get(proxy, path).await;
+    answer
+        .split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_owned())
+        .unwrap_or(answer)
+}
+
+/// A body sent to a `HEAD` (which has none) is not taken for the answer to the next request
+/// on the same store connection: after a `HEAD`, the connection is not used again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_a_store_sends_to_a_head_never_becomes_another_requests_answer() {
+    let running = proxy(proxy_args(head_with_body_store().await, None)).await;
+    let mut wrong = Vec::new();
+    for i in 0..30 {
+        let head = format!("HEAD /head-{i} HTTP/1.1\r\nhost: s\r\nconnection: close\r\n\r\n");
+        let answer = send_raw(running.addr, head.as_bytes()).await;
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        for delay_ms in [0, 1, 5] {
+            tokio::time::sleep(Duration::from_millis(delay_ms)).await;
+            let own = format!("/own-{i}-{delay_ms}");
+            let body = body_of(running.addr, &own).await;
+            if body != own {
+                wrong.push(format!("{own} got {body:?}"));
+            }
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "{} answers went to the wrong request: {wrong:?}",
+        wrong.len()
+    );
+}
+
+#[tokio::test]
+async fn a_protocol_switch_answering_a_session_delete_is_a_502() {
+    let (store, _) = raw_store(
+        b"HTTP/1.1 101 Switching Protocols\r\nupgrade: foo\r\nconnection: upgrade\r\n\r\n",
+        Then::Hold,
+    )
+    .await;
+    let running = proxy(proxy_args(store, None)).await;
+    let answer = send_raw(
+        running.addr,
+        b"DELETE /v1/sessions/s101 HTTP/1.1\r\nhost: s\r\nconnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 502"), "{answer}");
+    assert!(answer.contains("upstream_error"), "{answer}");
+}
+
+#[tokio::test]
+async fn an_answer_in_a_transfer_coding_other_than_chunked_is_a_502_not_passed_on_undone() {
+    let (store, _) = raw_store(
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip, chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+        Then::Hold,
+    )
+    .await;
+    let running = proxy(proxy_args(store, None)).await;
+    let (answer, _) = raw_get(running.addr, "/coded").await;
+    assert!(answer.starts_with("HTTP/1.1 502"), "{answer}");
+    assert!(answer.contains("transfer coding"), "{answer}");
+}
