@@ -219,6 +219,18 @@ impl Proxy {
                 if let (true, Some(protocol)) = (switched, res_protocol) {
                     passthrough::keep_upgrade(&mut parts.headers, protocol);
                 }
+                // A length the store stated more than once (`5, 5`, or two headers), which
+                // hyper read as one, goes on as one (RFC 9110 8.6: not forwarded as it came).
+                // Hyper refused the answer if the values differ: the first is the length.
+                let mut lengths = parts.headers.get_all(header::CONTENT_LENGTH).iter();
+                if let Some(first) = lengths.next() {
+                    if lengths.next().is_some() || first.as_bytes().contains(&b',') {
+                        let one = first.as_bytes().split(|b| *b == b',').next().unwrap_or_default();
+                        if let Ok(one) = HeaderValue::from_bytes(one.trim_ascii()) {
+                            parts.headers.insert(header::CONTENT_LENGTH, one);
+                        }
+                    }
+                }
                 // The answer is the proxy's, in the client's version (an HTTP/1.0 store's
                 // answer does not close a keep-alive client's connection).
                 parts.version = version;

@@ -353,3 +353,15 @@ async fn an_answer_in_a_transfer_coding_other_than_chunked_is_a_502_not_passed_o
     assert!(answer.starts_with("HTTP/1.1 502"), "{answer}");
     assert!(answer.contains("transfer coding"), "{answer}");
 }
+
+#[tokio::test]
+async fn a_length_the_store_stated_twice_goes_on_once() {
+    let (store, _) = raw_store(b"HTTP/1.1 200 OK\r\ncontent-length: 5, 5\r\n\r\nhello", Then::Hold).await;
+    let running = proxy(proxy_args(store, None)).await;
+    let (answer, _) = raw_get(running.addr, "/twice").await;
+    let lower = answer.to_ascii_lowercase();
+    assert!(lower.starts_with("http/1.1 200"), "{answer}");
+    assert!(lower.contains("\r\ncontent-length: 5\r\n"), "{answer}");
+    assert_eq!(lower.matches("content-length").count(), 1, "{answer}");
+    assert!(answer.ends_with("\r\n\r\nhello"), "{answer}");
+}
