@@ -20,6 +20,7 @@ mod web_identity;
 
 pub use self::connect::SendWatch;
 pub use self::document::{parse_document, Fetched, FetchedRaw, Precondition};
+pub(crate) use self::error::error_chain;
 pub use self::error::UpstreamError;
 pub use self::pool::Reserved;
 pub use self::sigv4::{SignError, Signer};

@@ -246,7 +246,15 @@ impl Proxy {
                         .headers
                         .insert(header::CONNECTION, HeaderValue::from_static("close"));
                 }
-                Response::from_parts(parts, passthrough::Answer::new(body, upstream.timeout()).boxed())
+                let mut body = passthrough::Answer::new(body, upstream.timeout());
+                if let Err(e) = body.first_look() {
+                    let e = crate::upstream::UpstreamError::InvalidAnswer(crate::upstream::error_chain(&*e));
+                    let code = e.code();
+                    let mut res = EdgeError::Forward(e).into_response();
+                    res.extensions_mut().insert(ErrorCode(code));
+                    return res;
+                }
+                Response::from_parts(parts, body.boxed())
             }
             // The client's body broke (a bad chunk, a cut connection): its request, not the
             // store, failed; neither answered nor counted as store trouble.

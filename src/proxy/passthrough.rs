@@ -185,6 +185,8 @@ impl HttpBody for Reported {
 /// it is read (most answers are whole when their head arrives).
 pub struct Answer {
     inner: hyper::body::Incoming,
+    /// Taken before the head went on ([`Answer::first_look`]), given first.
+    first: Option<Frame<Bytes>>,
     limit: Duration,
     /// When the store must have sent more; armed while waiting for it.
     stall: Option<Pin<Box<tokio::time::Sleep>>>,
@@ -195,9 +197,30 @@ impl Answer {
     pub fn new(inner: hyper::body::Incoming, limit: Duration) -> Self {
         Self {
             inner,
+            first: None,
             limit,
             stall: None,
             armed: false,
+        }
+    }
+
+    /// Looks, without waiting, at what of the body already came: a body that failed before
+    /// any of it was passed on (a chunked answer whose first chunk size is not a number) is
+    /// the store's error to answer, as a 502, rather than a client connection closed with no
+    /// answer at all. What came is kept and passed on first. Only for answers whose length
+    /// the head does not state (their framing is read as the body comes).
+    pub fn first_look(&mut self) -> Result<(), crate::http::BoxError> {
+        if self.inner.size_hint().exact().is_some() {
+            return Ok(());
+        }
+        let polled = futures_util::FutureExt::now_or_never(http_body_util::BodyExt::frame(&mut self.inner));
+        match polled {
+            Some(Some(Err(e))) => Err(e.into()),
+            Some(Some(Ok(frame))) => {
+                self.first = Some(frame);
+                Ok(())
+            }
+            Some(None) | None => Ok(()),
         }
     }
 }
@@ -208,6 +231,9 @@ impl HttpBody for Answer {
 
     fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         let this = &mut *self;
+        if let Some(first) = this.first.take() {
+            return Poll::Ready(Some(Ok(first)));
+        }
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Pending => {
                 let limit = this.limit;
@@ -235,6 +261,17 @@ impl HttpBody for Answer {
                 )
                 .into())))
             }
+            Poll::Ready(Some(Err(error))) => {
+                this.armed = false;
+                if let Some(suppressed) = crate::telemetry::warn_allowed("store answer broke off") {
+                    tracing::warn!(
+                        error = %crate::upstream::error_chain(&error),
+                        suppressed,
+                        "a store's answer could not be read to its end (bad framing, or its connection ended); the answer was cut"
+                    );
+                }
+                Poll::Ready(Some(Err(error.into())))
+            }
             ready => {
                 this.armed = false;
                 ready.map(|frame| frame.map(|f| f.map_err(Into::into)))
@@ -243,11 +280,19 @@ impl HttpBody for Answer {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        self.first.is_none() && self.inner.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
+        let mut hint = self.inner.size_hint();
+        if let Some(len) = self.first.as_ref().and_then(Frame::data_ref).map(|d| d.len() as u64) {
+            // The upper bound first: a lower bound above it would not be a hint.
+            if let Some(upper) = hint.upper() {
+                hint.set_upper(upper.saturating_add(len));
+            }
+            hint.set_lower(hint.lower().saturating_add(len));
+        }
+        hint
     }
 }
 

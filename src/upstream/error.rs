@@ -57,7 +57,7 @@ impl UpstreamError {
 }
 
 /// An error with its causes, one after another.
-pub(super) fn error_chain(e: &dyn std::error::Error) -> String {
+pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
     let mut cur = e.source();
     while let Some(inner) = cur {

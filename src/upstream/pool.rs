@@ -500,9 +500,11 @@ impl Shared {
 /// (`Content-Length` and `Transfer-Encoding`, which RFC 9112 6.3 bids a client to treat as an
 /// error: a store, or something in front of it, that frames one way and is read the other
 /// desynchronizes the connection); its body is in a transfer coding other than `chunked`
-/// (hyper undoes only that one, and `Transfer-Encoding` is not passed on, so the client would
-/// get the coded bytes unannounced); or it switched protocols for a request that asked for
-/// no upgrade (the client could not read what follows).
+/// once (hyper undoes `chunked` once, and `Transfer-Encoding` is not passed on, so the
+/// client would get the coded bytes unannounced); or it switched protocols for a request
+/// that asked for no upgrade (the client could not read what follows). Each is an answer
+/// that is not HTTP the client could be given: to a write, the outcome is unknown (the
+/// store had the request).
 fn unreadable(res: &Response<Incoming>, upgrade_asked: bool) -> Option<UpstreamError> {
     let headers = res.headers();
     if headers.contains_key(header::TRANSFER_ENCODING) {
@@ -517,22 +519,21 @@ fn unreadable(res: &Response<Incoming>, upgrade_asked: bool) -> Option<UpstreamE
             .flat_map(|v| v.as_bytes().split(|b| *b == b','))
             .map(<[u8]>::trim_ascii)
             .collect();
-        if codings.iter().any(|c| !c.eq_ignore_ascii_case(b"chunked")) {
+        if !matches!(codings.as_slice(), [only] if only.eq_ignore_ascii_case(b"chunked")) {
             let named = codings
                 .iter()
                 .map(|c| String::from_utf8_lossy(c))
                 .collect::<Vec<_>>()
                 .join(", ");
             return Some(UpstreamError::InvalidAnswer(format!(
-                "transfer coding \"{named}\" is not supported (only chunked)"
+                "transfer coding \"{named}\" is not supported (only chunked, once)"
             )));
         }
     }
     if res.status() == http::StatusCode::SWITCHING_PROTOCOLS && !upgrade_asked {
-        return Some(UpstreamError::Status {
-            status: http::StatusCode::SWITCHING_PROTOCOLS,
-            body: bytes::Bytes::from_static(b"switched protocols for a request that asked for no upgrade"),
-        });
+        return Some(UpstreamError::InvalidAnswer(
+            "it switched protocols (101) for a request that asked for no upgrade".to_owned(),
+        ));
     }
     None
 }

@@ -339,6 +339,8 @@ async fn a_protocol_switch_answering_a_session_delete_is_a_502() {
     .await;
     assert!(answer.starts_with("HTTP/1.1 502"), "{answer}");
     assert!(answer.contains("upstream_error"), "{answer}");
+    // The store had the request: whether it deleted is not known, and the answer says so.
+    assert!(answer.contains("the outcome is unknown"), "{answer}");
 }
 
 #[tokio::test]
@@ -352,6 +354,48 @@ async fn an_answer_in_a_transfer_coding_other_than_chunked_is_a_502_not_passed_o
     let (answer, _) = raw_get(running.addr, "/coded").await;
     assert!(answer.starts_with("HTTP/1.1 502"), "{answer}");
     assert!(answer.contains("transfer coding"), "{answer}");
+}
+
+/// A chunked answer whose first chunk size is not a number broke before anything of it could
+/// go on: the client gets a 502 saying so, not a connection closed with no answer.
+#[tokio::test]
+async fn a_chunked_answer_broken_at_its_first_chunk_is_a_502() {
+    let (store, _) = raw_store(
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\nhello\r\n0\r\n\r\n",
+        Then::Hold,
+    )
+    .await;
+    let running = proxy(proxy_args(store, None)).await;
+    let (answer, _) = raw_get(running.addr, "/broken").await;
+    assert!(answer.starts_with("HTTP/1.1 502"), "{answer}");
+    assert!(answer.contains("not valid HTTP"), "{answer}");
+    // A well-formed chunked answer still goes on whole, its first chunk included.
+    let (store, _) = raw_store(
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n",
+        Then::Hold,
+    )
+    .await;
+    let running = proxy(proxy_args(store, None)).await;
+    let (answer, _) = raw_get(running.addr, "/fine").await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(answer.contains("hello") && answer.contains(" world"), "{answer}");
+}
+
+/// `chunked` twice means the body is chunk-coded twice; hyper undoes it once, so the client
+/// would get chunk framing as the body.
+#[tokio::test]
+async fn an_answer_chunked_twice_is_a_502_not_passed_on_half_undone() {
+    for answer in [
+        &b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked, chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"[..],
+        &b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
+            [..],
+    ] {
+        let (store, _) = raw_store(answer, Then::Hold).await;
+        let running = proxy(proxy_args(store, None)).await;
+        let (answer, _) = raw_get(running.addr, "/twice").await;
+        assert!(answer.starts_with("HTTP/1.1 502"), "{answer}");
+        assert!(answer.contains("transfer coding"), "{answer}");
+    }
 }
 
 #[tokio::test]
