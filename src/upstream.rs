@@ -426,8 +426,8 @@ impl Upstream {
         else {
             return false;
         };
-        // On a connection of its own when the cap is full; sent again on a new one when a
-        // pooled connection the store has closed fails it (that is not an outage).
+        // On the check's own connection; sent again on a new one when the store has closed
+        // that connection meanwhile (that is not an outage).
         self.add_headers(&mut req);
         let again = repeatable(&req);
         let sent = match self.pool.probe(req, self.timeout, false).await {

@@ -46,6 +46,8 @@ struct Shared {
     /// The `Host` of a request that names none.
     host: HeaderValue,
     state: Mutex<State>,
+    /// The health check's own connection, kept from one check to the next ([`Pool::probe`]).
+    probe: Mutex<Option<(Taken, Instant)>>,
     idle_timeout: Duration,
     reaper_started: AtomicBool,
 }
@@ -109,6 +111,7 @@ impl Pool {
                 dst,
                 host,
                 state: Mutex::new(State::default()),
+                probe: Mutex::new(None),
                 idle_timeout,
                 reaper_started: AtomicBool::new(false),
             }),
@@ -367,29 +370,48 @@ impl Pool {
         self.shared.lock().take_idle(self.shared.idle_timeout)
     }
 
-    /// Sends a health check: on an idle connection (with `fresh`, never), else on a new one,
-    /// opened outside the cap when the cap is full (and closed after): the check never waits
-    /// behind the requests queued at the cap, so a pool in full use is not taken for a store
-    /// that is down.
+    /// Sends a health check on a connection of its own (with `fresh`, a new one), opened
+    /// outside the cap and kept from one check to the next, as a load balancer's active
+    /// checks keep theirs. The check never waits behind the requests queued at the cap, so a
+    /// pool in full use is not taken for a store that is down; and no request follows a
+    /// check's answer on the same connection, where anything a store sent after that answer
+    /// (bytes beyond its framing) would be taken for the request's own answer.
     pub async fn probe(
         &self,
         req: Request<Body>,
         answer_within: Duration,
         fresh: bool,
     ) -> Result<Response<Incoming>, UpstreamError> {
-        let idle = if fresh { None } else { self.take_idle() };
-        let conn = match idle {
-            Some(conn) => conn,
-            None => Box::pin(self.open_permit(self.shared.connector.try_permit())).await?,
+        let kept = if fresh {
+            None
+        } else {
+            self.shared
+                .probe
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take()
+                .filter(|(c, since)| c.tx.is_ready() && since.elapsed() < self.shared.idle_timeout)
         };
-        self.send_on(
-            Some(conn),
-            req,
-            Instant::now() + answer_within,
-            Some(answer_within),
-            None,
-        )
-        .await
+        let conn = match kept.map(|(conn, _)| conn) {
+            // Not counted as reused: a kept connection the store has closed fails the check
+            // with `NotSent`, and the caller sends it again with `fresh`, never on the pool's.
+            Some(conn) => Taken { reused: false, ..conn },
+            None => Box::pin(self.open_permit(None)).await?,
+        };
+        let mut keep = None;
+        let answered = self
+            .send_on(
+                Some(conn),
+                req,
+                Instant::now() + answer_within,
+                Some(answer_within),
+                Some(&mut keep),
+            )
+            .await;
+        if let Some(conn) = keep {
+            *self.shared.probe.lock().unwrap_or_else(PoisonError::into_inner) = Some((conn, Instant::now()));
+        }
+        answered
     }
 
     /// Opens a connection under `permit` and starts its task.

@@ -324,6 +324,80 @@ async fn a_body_a_store_sends_to_a_head_never_becomes_another_requests_answer() 
     );
 }
 
+/// A store that answers each request with its path, and after its answer to the health check
+/// (`GET /`) sends one answer more, held back until the next request on that connection
+/// comes (as a store with Nagle's algorithm on holds late bytes until its last ones are
+/// acknowledged). It counts the health checks it answered.
+async fn late_extra_after_check_store() -> (SocketAddr, Arc<AtomicUsize>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let checks = Arc::new(AtomicUsize::new(0));
+    let counted = checks.clone();
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            let checks = counted.clone();
+            tokio::spawn(async move {
+                let mut pending = Vec::new();
+                let mut buf = [0u8; 4096];
+                let mut owed = false;
+                loop {
+                    let Some(end) = pending.windows(4).position(|w| w == b"\r\n\r\n") else {
+                        match stream.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => pending.extend_from_slice(&buf[..n]),
+                        }
+                        continue;
+                    };
+                    let head = String::from_utf8_lossy(&pending[..end]).into_owned();
+                    pending.drain(..end + 4);
+                    let path = head.split(' ').nth(1).unwrap_or("/").to_owned();
+                    let mut answer = Vec::new();
+                    if std::mem::take(&mut owed) {
+                        answer.extend_from_slice(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nSTRAY");
+                    }
+                    answer.extend_from_slice(
+                        format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{path}", path.len()).as_bytes(),
+                    );
+                    if stream.write_all(&answer).await.is_err() {
+                        return;
+                    }
+                    if head.starts_with("GET / ") {
+                        owed = true;
+                        checks.fetch_add(1, Ordering::SeqCst);
+                    }
+                }
+            });
+        }
+    });
+    (addr, checks)
+}
+
+/// The health check has a store connection of its own: whatever a store sends after a
+/// check's answer never becomes the answer to an agent's request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_a_store_sends_after_a_health_checks_answer_never_reaches_an_agent() {
+    let (store, checks) = late_extra_after_check_store().await;
+    let running = proxy(proxy_args(store, None)).await;
+    let mut wrong = Vec::new();
+    let mut i = 0;
+    // Requests every 20 ms until three checks were answered (one a second), bounded.
+    while checks.load(Ordering::SeqCst) < 3 && i < 400 {
+        let own = format!("/own-{i}");
+        let body = body_of(running.addr, &own).await;
+        if body != own {
+            wrong.push(format!("{own} got {body:?}"));
+        }
+        i += 1;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(checks.load(Ordering::SeqCst) >= 3, "the store saw no health checks");
+    assert!(
+        wrong.is_empty(),
+        "{} of {i} answers went to the wrong request: {wrong:?}",
+        wrong.len()
+    );
+}
+
 #[tokio::test]
 async fn a_protocol_switch_answering_a_session_delete_is_a_502() {
     let (store, _) = raw_store(
