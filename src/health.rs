@@ -154,8 +154,8 @@ impl Health {
                     match &upstream {
                         None => Ok(()),
                         Some(u) => match tokio::time::timeout(CHECK_TIMEOUT, u.ping()).await {
-                            Ok(true) => Ok(()),
-                            Ok(false) => Err("the store did not answer".to_owned()),
+                            Ok(Ok(())) => Ok(()),
+                            Ok(Err(e)) => Err(format!("the store did not answer: {e}")),
                             Err(_) => Err(format!("no answer within {CHECK_TIMEOUT:?}")),
                         },
                     }

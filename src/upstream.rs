@@ -416,33 +416,30 @@ impl Upstream {
         }
     }
 
-    /// Whether the store answers at all (any HTTP response counts).
-    pub async fn ping(&self) -> bool {
-        let Ok(uri) = self.uri("/") else { return false };
-        let Ok(mut req) = Request::builder()
+    /// Whether the store answers at all (any HTTP response counts); if not, why not.
+    pub async fn ping(&self) -> Result<(), String> {
+        let uri = self.uri("/").map_err(|e| e.to_string())?;
+        let mut req = Request::builder()
             .method(Method::GET)
             .uri(uri)
             .body(crate::http::empty())
-        else {
-            return false;
-        };
+            .map_err(|e| e.to_string())?;
         // On the check's own connection; sent again on a new one when the store has closed
         // that connection meanwhile (that is not an outage).
         self.add_headers(&mut req);
         let again = repeatable(&req);
-        let sent = match self.pool.probe(req, self.timeout, false).await {
-            Err(UpstreamError::Unreachable(_) | UpstreamError::NotSent(_)) => match again {
-                Some(again) => self.pool.probe(again, self.timeout, true).await,
-                None => return false,
-            },
-            other => other,
+        let sent = match (self.pool.probe(req, self.timeout, false).await, again) {
+            (Err(UpstreamError::Unreachable(_) | UpstreamError::NotSent(_)), Some(again)) => {
+                self.pool.probe(again, self.timeout, true).await
+            }
+            (other, _) => other,
         };
         match sent {
             Ok(res) => {
                 let _ = self.body(res).await;
-                true
+                Ok(())
             }
-            Err(_) => false,
+            Err(e) => Err(e.to_string()),
         }
     }
 }

@@ -162,6 +162,7 @@ impl Proxy {
         let upstream = &self.inner.upstream;
         let upgrade = passthrough::upgrade_requested(req.headers());
         let version = req.version();
+        let method = req.method().clone();
         let client_upgrade = upgrade.as_ref().map(|_| {
             let outliving = req.extensions().get::<crate::server::Outliving>().cloned();
             (hyper::upgrade::on(&mut req), outliving)
@@ -181,7 +182,7 @@ impl Proxy {
         append_forwarded_for(&mut parts.headers, peer);
         parts.version = http::Version::HTTP_11;
         if let Err(e) = upstream.sign_forwarded(&mut parts) {
-            return EdgeError::Forward(e).into_response();
+            return forward_failed(&method, e);
         }
         // A request without a body (most reads) is sent as it is: nothing to report.
         let mut client = None;
@@ -249,10 +250,7 @@ impl Proxy {
                 let mut body = passthrough::Answer::new(body, upstream.timeout());
                 if let Err(e) = body.first_look() {
                     let e = crate::upstream::UpstreamError::InvalidAnswer(crate::upstream::error_chain(&*e));
-                    let code = e.code();
-                    let mut res = EdgeError::Forward(e).into_response();
-                    res.extensions_mut().insert(ErrorCode(code));
-                    return res;
+                    return forward_failed(&method, e);
                 }
                 Response::from_parts(parts, body.boxed())
             }
@@ -280,14 +278,28 @@ impl Proxy {
                 }
                 .into_response()
             }
-            Err(e) => {
-                let code = e.code();
-                let mut res = EdgeError::Forward(e).into_response();
-                res.extensions_mut().insert(ErrorCode(code));
-                res
-            }
+            Err(e) => forward_failed(&method, e),
         }
     }
+}
+
+/// The proxy's own answer to a forwarded request the store did not answer (or answered with
+/// something that is not HTTP), logged: a warning at most every few seconds, with the
+/// number of others since, as an outage would otherwise flood the log.
+fn forward_failed(method: &http::Method, e: crate::upstream::UpstreamError) -> Response<Body> {
+    let code = e.code();
+    if let Some(suppressed) = crate::telemetry::warn_allowed("forward failed") {
+        tracing::warn!(
+            %method,
+            code,
+            error = %e,
+            suppressed,
+            "a forwarded request got no usable answer from the store; it was answered with the proxy's own error"
+        );
+    }
+    let mut res = EdgeError::Forward(e).into_response();
+    res.extensions_mut().insert(ErrorCode(code));
+    res
 }
 
 // === impl Proxy as a Service ===

@@ -118,7 +118,7 @@ impl CappedConnector {
     }
 
     /// Opens one connection to `dst` under `permit`; without one, outside the cap (the
-    /// health check's, used once when the cap is full).
+    /// health check's own).
     pub async fn connect_with(&self, permit: Option<OwnedSemaphorePermit>, dst: Uri) -> Result<CappedIo, BoxError> {
         let https = dst.scheme() == Some(&http::uri::Scheme::HTTPS);
         let host = dst.host().unwrap_or_default().trim_matches(['[', ']']).to_owned();
@@ -221,12 +221,16 @@ impl CappedIo {
 }
 
 impl Drop for CappedIo {
-    /// The socket closes after this: [`Slot::taken`] no longer asks about it.
+    /// The socket closes after this: [`Slot::taken`] no longer asks about it, and its place
+    /// under the cap is free now, though the pool may still hold the connection's handle (an
+    /// idle entry not yet looked at, a request about to try another connection): a request
+    /// waiting at the cap opens the next one at once.
     fn drop(&mut self) {
         #[cfg(target_os = "linux")]
         {
             *self.slot.0.socket.lock().unwrap_or_else(PoisonError::into_inner) = None;
         }
+        self.slot.release();
     }
 }
 

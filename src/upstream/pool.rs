@@ -194,21 +194,31 @@ impl Pool {
     }
 
     /// Like [`Pool::reserve`], a connection opened for the request to come (one that cannot
-    /// be stale): at the cap, an idle connection is closed to make room; with none idle, the
-    /// first given back is taken.
+    /// be stale): at the cap, a connection that served a request before (an idle one, else
+    /// the first given back) is closed to make room, as it may be as stale as the one that
+    /// failed.
     pub async fn reserve_fresh(&self, deadline: Instant) -> Result<Reserved, UpstreamError> {
         let permit = match self.shared.connector.try_permit() {
             Some(permit) => permit,
-            None => match self.take_idle() {
-                Some(idle) => {
-                    drop(idle);
-                    match tokio::time::timeout_at(deadline, self.shared.connector.permit()).await {
-                        Ok(permit) => permit.map_err(|e| not_sent(&*e))?,
-                        Err(_) => return Err(self.none_in_time()),
-                    }
+            None => {
+                let old = match self.take_idle() {
+                    Some(idle) => idle,
+                    None => match self.reserve(deadline).await?.conn.take() {
+                        Some(conn) => conn,
+                        None => return Err(self.none_in_time()),
+                    },
+                };
+                if !old.reused {
+                    // Opened for this request meanwhile (a place came free).
+                    return Ok(self.reserved(old));
                 }
-                None => return self.reserve(deadline).await,
-            },
+                old.slot.release();
+                drop(old);
+                match tokio::time::timeout_at(deadline, self.shared.connector.permit()).await {
+                    Ok(permit) => permit.map_err(|e| not_sent(&*e))?,
+                    Err(_) => return Err(self.none_in_time()),
+                }
+            }
         };
         let conn = Box::pin(self.open(permit)).await?;
         Ok(self.reserved(conn))
@@ -284,6 +294,9 @@ impl Pool {
             match unsent {
                 Some(unsent) if conn.reused => {
                     tracing::debug!(error = %error, "pooled store connection closed before the request was written; using another");
+                    // Its place under the cap is free for the next one (at the cap, the
+                    // wait below would otherwise be for this dead connection's place).
+                    conn.slot.release();
                     req = unsent;
                     conn = match self.take_idle() {
                         Some(conn) => conn,

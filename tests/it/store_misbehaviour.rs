@@ -483,3 +483,163 @@ async fn a_length_the_store_stated_twice_goes_on_once() {
     assert_eq!(lower.matches("content-length").count(), 1, "{answer}");
     assert!(answer.ends_with("\r\n\r\nhello"), "{answer}");
 }
+
+/// A store that answers each request with its path and then closes the connection, without
+/// saying `Connection: close` (as a store or load balancer that drops every connection after
+/// one answer does): each pooled connection is stale by the time the next request takes it.
+async fn one_answer_per_connection_store() -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        let mut accepted = 0u64;
+        while let Ok((mut stream, _)) = listener.accept().await {
+            accepted += 1;
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut buf = [0u8; 4096];
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match stream.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => head.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let head = String::from_utf8_lossy(&head).into_owned();
+                let path = head.split(' ').nth(1).unwrap_or("/").to_owned();
+                let answer = format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{path}", path.len());
+                let _ = stream.write_all(answer.as_bytes()).await;
+                // Closed at once or a moment after the answer, in turn: a next request may
+                // find the connection closed, or be on its way when it closes.
+                if let Some(micros) = (accepted % 4).checked_sub(1) {
+                    let until = Instant::now() + Duration::from_micros(micros * 300);
+                    while Instant::now() < until {
+                        tokio::task::yield_now().await;
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// The answers to `count` GETs sent one after another on one keep-alive client connection
+/// that were not their own path's (with how long each took).
+async fn wrong_answers(proxy: SocketAddr, prefix: &str, count: usize) -> Vec<String> {
+    let mut wrong = Vec::new();
+    let mut conn = TcpStream::connect(proxy).await.expect("connect");
+    let mut pending = Vec::new();
+    let mut buf = [0u8; 4096];
+    for i in 0..count {
+        let own = format!("/{prefix}-{i}");
+        let started = Instant::now();
+        let request = format!("GET {own} HTTP/1.1\r\nhost: s\r\n\r\n");
+        conn.write_all(request.as_bytes()).await.expect("send");
+        // The head, then as many body bytes as its Content-Length says.
+        let answer = loop {
+            if let Some(end) = pending.windows(4).position(|w| w == b"\r\n\r\n") {
+                let head = String::from_utf8_lossy(&pending[..end]).to_ascii_lowercase();
+                let length: usize = head
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-length:"))
+                    .and_then(|v| v.trim().parse().ok())
+                    .unwrap_or(0);
+                if pending.len() >= end + 4 + length {
+                    let answer = String::from_utf8_lossy(&pending[..end + 4 + length]).into_owned();
+                    pending.drain(..end + 4 + length);
+                    break answer;
+                }
+            }
+            match tokio::time::timeout(Duration::from_secs(10), conn.read(&mut buf)).await {
+                Ok(Ok(n)) if n > 0 => pending.extend_from_slice(&buf[..n]),
+                other => panic!("{own}: the proxy's connection ended or stalled: {other:?}"),
+            }
+        };
+        let body = answer.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+        if !answer.starts_with("HTTP/1.1 200") || body != own {
+            wrong.push(format!("{own} after {:?}: {answer}", started.elapsed()));
+        }
+    }
+    wrong
+}
+
+/// At the connection cap, a connection the store closed frees its place at once: a request
+/// that found it closed does not wait the store timeout for that dead connection's place
+/// (and then get a 502 that names the cap).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closed_connection_frees_its_place_under_the_cap_at_once() {
+    let mut args = proxy_args(one_answer_per_connection_store().await, None);
+    args.upstream_max_connections = 1;
+    args.upstream_timeout_ms = 1000;
+    let running = proxy(args).await;
+    let wrong = wrong_answers(running.addr, "capped", 300).await;
+    assert!(wrong.is_empty(), "{} of 300: {wrong:#?}", wrong.len());
+}
+
+/// At the cap, a bodiless GET that met a connection the store had closed is sent once more
+/// on a connection opened for it, not on another that served a request before (as stale).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_the_cap_a_get_retried_after_a_stale_connection_goes_on_a_fresh_one() {
+    let mut args = proxy_args(one_answer_per_connection_store().await, None);
+    args.upstream_max_connections = 4;
+    args.upstream_timeout_ms = 2000;
+    let running = proxy(args).await;
+    let clients: Vec<_> = (0..8)
+        .map(|c| {
+            let addr = running.addr;
+            tokio::spawn(async move { wrong_answers(addr, &format!("c{c}"), 60).await })
+        })
+        .collect();
+    let mut wrong = Vec::new();
+    for c in clients {
+        wrong.extend(c.await.expect("client"));
+    }
+    assert!(
+        wrong.is_empty(),
+        "{} of 480: {:#?}",
+        wrong.len(),
+        &wrong[..wrong.len().min(5)]
+    );
+}
+
+/// A forwarded request the store did not answer usably is logged (a warning, at most every
+/// few seconds with the number of others since), not only counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forwarded_request_answered_with_the_proxys_own_error_is_logged() {
+    let (store, _) = raw_store(b"hello, this is not HTTP\r\n\r\n", Then::Hold).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let log_path = dir.path().join("proxy.log");
+    let log = std::fs::File::create(&log_path).expect("log file");
+    let (port, admin) = (free_port(), free_port());
+    let child = std::process::Command::new(turnlock_bin())
+        .args([
+            "proxy",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--admin",
+            &format!("127.0.0.1:{admin}"),
+            "--upstream",
+            &format!("http://{store}"),
+        ])
+        .env("RUST_LOG", "info")
+        .stdout(std::process::Stdio::null())
+        .stderr(log)
+        .spawn()
+        .expect("spawn proxy");
+    let proc = Proc { child };
+    wait_for_port(port, Duration::from_secs(10));
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    for i in 0..5 {
+        let (answer, _) = raw_get(addr, &format!("/garbled-{i}")).await;
+        assert!(answer.starts_with("HTTP/1.1 502"), "{answer}");
+    }
+    drop(proc);
+    let text = std::fs::read_to_string(&log_path).expect("read log");
+    let lines: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("WARN") && l.contains("forwarded request got no usable answer"))
+        .collect();
+    assert_eq!(lines.len(), 1, "one warning for 5 failures within seconds:\n{text}");
+    assert!(
+        lines[0].contains("upstream_error") && lines[0].contains("GET"),
+        "{text}"
+    );
+}
