@@ -232,9 +232,15 @@ impl Proxy {
                         }
                     }
                 }
-                // The answer is the proxy's, in the client's version (an HTTP/1.0 store's
-                // answer does not close a keep-alive client's connection).
-                parts.version = version;
+                // The answer is the proxy's (an HTTP/1.0 store's answer does not close a
+                // keep-alive client's connection): HTTP/1.1 to an HTTP/1.0 client too, which
+                // hyper writes as HTTP/1.0, keeping a connection the client asked to keep
+                // where the length is known (an HTTP/1.0 answer would close it).
+                parts.version = if version == http::Version::HTTP_10 {
+                    http::Version::HTTP_11
+                } else {
+                    version
+                };
                 // An answer before the client's body was sent in full (an early 413): the
                 // connection cannot carry another request until the rest of the body is
                 // read, so it closes after this answer, and the answer says so.

@@ -123,3 +123,22 @@ async fn an_http_1_0_answer_of_unknown_length_says_connection_close() {
     assert!(!head.contains("keep-alive"), "{head}");
     assert!(says_close(&head) && closed, "closed {closed}: {head}");
 }
+
+/// An HTTP/1.0 client that asks for keep-alive keeps its connection when the store's answer
+/// states its length, as it would talking to the store itself: the answer says `keep-alive`.
+#[tokio::test]
+async fn an_http_1_0_keep_alive_client_keeps_its_connection_when_the_length_is_known() {
+    let store = store().await;
+    let proxy = proxy(proxy_args(store.addr, None)).await;
+    let (head, closed) = exchange(
+        proxy.addr,
+        b"GET /v1/sessions/ten-keep HTTP/1.0\r\nhost: x\r\nconnection: keep-alive\r\n\r\n",
+    )
+    .await;
+    assert!(head.starts_with("http/1.0 "), "{head}");
+    assert!(head.contains("content-length:"), "{head}");
+    assert!(
+        head.contains("connection: keep-alive") && !closed,
+        "closed {closed}: {head}"
+    );
+}
