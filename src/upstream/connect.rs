@@ -173,6 +173,12 @@ impl Slot {
         drop(self.0.permit.lock().unwrap_or_else(PoisonError::into_inner).take());
     }
 
+    /// The connection's place under the cap, taken out to be handed to another (one opened
+    /// to replace it); `None` when it holds none.
+    pub fn take_permit(&self) -> Option<OwnedSemaphorePermit> {
+        self.0.permit.lock().unwrap_or_else(PoisonError::into_inner).take()
+    }
+
     /// Whether the connection holds a place under the cap (not one opened outside it, nor
     /// one whose place was given back).
     pub fn capped(&self) -> bool {

@@ -195,33 +195,35 @@ impl Pool {
 
     /// Like [`Pool::reserve`], a connection opened for the request to come (one that cannot
     /// be stale): at the cap, a connection that served a request before (an idle one, else
-    /// the first given back) is closed to make room, as it may be as stale as the one that
-    /// failed.
+    /// the first given back, in the order requests wait) is closed, as it may be as stale as
+    /// the one that failed, and its place goes to the one opened for this request (not back
+    /// to the cap, where the requests waiting there could take it turn after turn).
     pub async fn reserve_fresh(&self, deadline: Instant) -> Result<Reserved, UpstreamError> {
-        let permit = match self.shared.connector.try_permit() {
-            Some(permit) => permit,
-            None => {
-                let old = match self.take_idle() {
-                    Some(idle) => idle,
-                    None => match self.reserve(deadline).await?.conn.take() {
-                        Some(conn) => conn,
-                        None => return Err(self.none_in_time()),
-                    },
-                };
-                if !old.reused {
-                    // Opened for this request meanwhile (a place came free).
-                    return Ok(self.reserved(old));
-                }
-                old.slot.release();
-                drop(old);
-                match tokio::time::timeout_at(deadline, self.shared.connector.permit()).await {
-                    Ok(permit) => permit.map_err(|e| not_sent(&*e))?,
-                    Err(_) => return Err(self.none_in_time()),
-                }
+        loop {
+            if let Some(permit) = self.shared.connector.try_permit() {
+                let conn = Box::pin(self.open(permit)).await?;
+                return Ok(self.reserved(conn));
             }
-        };
-        let conn = Box::pin(self.open(permit)).await?;
-        Ok(self.reserved(conn))
+            let old = match self.take_idle() {
+                Some(idle) => idle,
+                None => match self.reserve(deadline).await?.conn.take() {
+                    Some(conn) => conn,
+                    None => return Err(self.none_in_time()),
+                },
+            };
+            if !old.reused {
+                // Opened for this request meanwhile (a place came free).
+                return Ok(self.reserved(old));
+            }
+            let place = old.slot.take_permit();
+            drop(old);
+            if let Some(permit) = place {
+                let conn = Box::pin(self.open(permit)).await?;
+                return Ok(self.reserved(conn));
+            }
+            // It had closed meanwhile and given its place back: in line again (the wait is
+            // bounded by `deadline`).
+        }
     }
 
     /// `conn`, held for a request to come; back to this pool when dropped unused.

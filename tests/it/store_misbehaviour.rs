@@ -643,3 +643,63 @@ async fn a_forwarded_request_answered_with_the_proxys_own_error_is_logged() {
         "{text}"
     );
 }
+
+/// A store that answers each request with its path and keeps its connections, except that it
+/// drops the connection carrying its `dropped`th request without answering it.
+async fn one_dropped_request_store(dropped: usize) -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let seen = Arc::new(AtomicUsize::new(0));
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            let seen = seen.clone();
+            tokio::spawn(async move {
+                let mut pending = Vec::new();
+                let mut buf = [0u8; 4096];
+                loop {
+                    let Some(end) = pending.windows(4).position(|w| w == b"\r\n\r\n") else {
+                        match stream.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => pending.extend_from_slice(&buf[..n]),
+                        }
+                        continue;
+                    };
+                    let head = String::from_utf8_lossy(&pending[..end]).into_owned();
+                    pending.drain(..end + 4);
+                    let path = head.split(' ').nth(1).unwrap_or("/").to_owned();
+                    if path != "/" && seen.fetch_add(1, Ordering::SeqCst) + 1 == dropped {
+                        return;
+                    }
+                    let answer = format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{path}", path.len());
+                    if stream.write_all(answer.as_bytes()).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// At the cap, a GET whose connection was cut under it is sent once more on a connection
+/// opened in the place of one that served before: that place is its own, not handed back
+/// to the cap, where the requests waiting there would take it turn after turn while the
+/// retry waited out the timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_the_cap_a_retried_get_is_not_starved_by_the_requests_waiting_there() {
+    let mut args = proxy_args(one_dropped_request_store(10).await, None);
+    args.upstream_max_connections = 1;
+    args.upstream_timeout_ms = 1000;
+    let running = proxy(args).await;
+    let clients: Vec<_> = (0..8)
+        .map(|c| {
+            let addr = running.addr;
+            tokio::spawn(async move { wrong_answers(addr, &format!("w{c}"), 40).await })
+        })
+        .collect();
+    let mut wrong = Vec::new();
+    for c in clients {
+        wrong.extend(c.await.expect("client"));
+    }
+    assert!(wrong.is_empty(), "{} of 320: {wrong:#?}", wrong.len());
+}
