@@ -170,7 +170,7 @@ impl tower::Service<Uri> for CappedConnector {
 impl Slot {
     /// Gives the connection's place under the cap back now.
     pub fn release(&self) {
-        drop(self.0.permit.lock().unwrap_or_else(PoisonError::into_inner).take());
+        drop(self.take_permit());
     }
 
     /// The connection's place under the cap, taken out to be handed to another (one opened

@@ -808,28 +808,8 @@ async fn each_write_is_logged_once_at_info_failures_warn_rate_limited_and_no_col
     let mut redis = RedisServer::start();
     let dir = tempfile::tempdir().expect("tempdir");
     let log_path = dir.path().join("proxy.log");
-    let log = std::fs::File::create(&log_path).expect("log file");
-    let (port, admin) = (free_port(), free_port());
-    let child = Command::new(turnlock_bin())
-        .args([
-            "proxy",
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-            "--admin",
-            &format!("127.0.0.1:{admin}"),
-            "--upstream",
-            &format!("http://{}", store.addr),
-            "--redis",
-            &redis.url(),
-        ])
-        .env("RUST_LOG", "info")
-        .stdout(std::process::Stdio::null())
-        .stderr(log)
-        .spawn()
-        .expect("spawn proxy");
-    let proc = Proc { child };
-    wait_for_port(port, Duration::from_secs(10));
-    let client = client(SocketAddr::from(([127, 0, 0, 1], port)));
+    let (proc, addr) = Proc::logged_proxy(store.addr, &["--redis", &redis.url()], &log_path);
+    let client = client(addr);
     for turn in 1..=3u64 {
         let r = try_append(&client, "logged-1", turn, &format!("m{turn}"), true, &[])
             .await

@@ -250,6 +250,28 @@ async fn an_answer_before_the_upload_ended_says_the_connection_closes() {
     assert!(got.contains("\r\nconnection: close\r\n"), "{got}");
 }
 
+/// The next request head on `stream` (bodiless requests only), taken from `pending` (bytes
+/// read and not yet taken); `None` once the proxy closed the connection.
+async fn next_head(stream: &mut TcpStream, pending: &mut Vec<u8>) -> Option<String> {
+    let mut buf = [0u8; 4096];
+    loop {
+        if let Some(end) = pending.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&pending[..end]).into_owned();
+            pending.drain(..end + 4);
+            return Some(head);
+        }
+        match stream.read(&mut buf).await {
+            Ok(0) | Err(_) => return None,
+            Ok(n) => pending.extend_from_slice(&buf[..n]),
+        }
+    }
+}
+
+/// The path a request head names.
+fn path_of(head: &str) -> String {
+    head.split(' ').nth(1).unwrap_or("/").to_owned()
+}
+
 /// A keep-alive store of the kind that answers `HEAD` as it answers `GET`: the head at
 /// once, then, in a second write 2 ms later, the body a `HEAD` answer has none of. Any
 /// request it answers with its path.
@@ -260,18 +282,8 @@ async fn head_with_body_store() -> SocketAddr {
         while let Ok((mut stream, _)) = listener.accept().await {
             tokio::spawn(async move {
                 let mut pending = Vec::new();
-                let mut buf = [0u8; 4096];
-                loop {
-                    let Some(end) = pending.windows(4).position(|w| w == b"\r\n\r\n") else {
-                        match stream.read(&mut buf).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => pending.extend_from_slice(&buf[..n]),
-                        }
-                        continue;
-                    };
-                    let head = String::from_utf8_lossy(&pending[..end]).into_owned();
-                    pending.drain(..end + 4);
-                    let path = head.split(' ').nth(1).unwrap_or("/").to_owned();
+                while let Some(head) = next_head(&mut stream, &mut pending).await {
+                    let path = path_of(&head);
                     let answer = format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n", path.len());
                     if stream.write_all(answer.as_bytes()).await.is_err() {
                         return;
@@ -338,19 +350,9 @@ async fn late_extra_after_check_store() -> (SocketAddr, Arc<AtomicUsize>) {
             let checks = counted.clone();
             tokio::spawn(async move {
                 let mut pending = Vec::new();
-                let mut buf = [0u8; 4096];
                 let mut owed = false;
-                loop {
-                    let Some(end) = pending.windows(4).position(|w| w == b"\r\n\r\n") else {
-                        match stream.read(&mut buf).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => pending.extend_from_slice(&buf[..n]),
-                        }
-                        continue;
-                    };
-                    let head = String::from_utf8_lossy(&pending[..end]).into_owned();
-                    pending.drain(..end + 4);
-                    let path = head.split(' ').nth(1).unwrap_or("/").to_owned();
+                while let Some(head) = next_head(&mut stream, &mut pending).await {
+                    let path = path_of(&head);
                     let mut answer = Vec::new();
                     if std::mem::take(&mut owed) {
                         answer.extend_from_slice(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nSTRAY");
@@ -495,16 +497,10 @@ async fn one_answer_per_connection_store() -> SocketAddr {
         while let Ok((mut stream, _)) = listener.accept().await {
             accepted += 1;
             tokio::spawn(async move {
-                let mut head = Vec::new();
-                let mut buf = [0u8; 4096];
-                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match stream.read(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => head.extend_from_slice(&buf[..n]),
-                    }
-                }
-                let head = String::from_utf8_lossy(&head).into_owned();
-                let path = head.split(' ').nth(1).unwrap_or("/").to_owned();
+                let Some(head) = next_head(&mut stream, &mut Vec::new()).await else {
+                    return;
+                };
+                let path = path_of(&head);
                 let answer = format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{path}", path.len());
                 let _ = stream.write_all(answer.as_bytes()).await;
                 // Closed at once or a moment after the answer, in turn: a next request may
@@ -607,26 +603,7 @@ async fn a_forwarded_request_answered_with_the_proxys_own_error_is_logged() {
     let (store, _) = raw_store(b"hello, this is not HTTP\r\n\r\n", Then::Hold).await;
     let dir = tempfile::tempdir().expect("tempdir");
     let log_path = dir.path().join("proxy.log");
-    let log = std::fs::File::create(&log_path).expect("log file");
-    let (port, admin) = (free_port(), free_port());
-    let child = std::process::Command::new(turnlock_bin())
-        .args([
-            "proxy",
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-            "--admin",
-            &format!("127.0.0.1:{admin}"),
-            "--upstream",
-            &format!("http://{store}"),
-        ])
-        .env("RUST_LOG", "info")
-        .stdout(std::process::Stdio::null())
-        .stderr(log)
-        .spawn()
-        .expect("spawn proxy");
-    let proc = Proc { child };
-    wait_for_port(port, Duration::from_secs(10));
-    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    let (proc, addr) = Proc::logged_proxy(store, &[], &log_path);
     for i in 0..5 {
         let (answer, _) = raw_get(addr, &format!("/garbled-{i}")).await;
         assert!(answer.starts_with("HTTP/1.1 502"), "{answer}");
@@ -655,18 +632,8 @@ async fn one_dropped_request_store(dropped: usize) -> SocketAddr {
             let seen = seen.clone();
             tokio::spawn(async move {
                 let mut pending = Vec::new();
-                let mut buf = [0u8; 4096];
-                loop {
-                    let Some(end) = pending.windows(4).position(|w| w == b"\r\n\r\n") else {
-                        match stream.read(&mut buf).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => pending.extend_from_slice(&buf[..n]),
-                        }
-                        continue;
-                    };
-                    let head = String::from_utf8_lossy(&pending[..end]).into_owned();
-                    pending.drain(..end + 4);
-                    let path = head.split(' ').nth(1).unwrap_or("/").to_owned();
+                while let Some(head) = next_head(&mut stream, &mut pending).await {
+                    let path = path_of(&head);
                     if path != "/" && seen.fetch_add(1, Ordering::SeqCst) + 1 == dropped {
                         return;
                     }
@@ -702,4 +669,39 @@ async fn at_the_cap_a_retried_get_is_not_starved_by_the_requests_waiting_there()
         wrong.extend(c.await.expect("client"));
     }
     assert!(wrong.is_empty(), "{} of 320: {wrong:#?}", wrong.len());
+}
+
+/// A session delete whose store connection was cut before any answer (the store dropped
+/// the pooled connection it came on) is sent once more, on a connection opened for it: the
+/// agent gets the store's answer, not a 502 that leaves the delete's outcome to it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_delete_cut_before_any_answer_is_sent_once_more() {
+    let running = proxy(proxy_args(one_dropped_request_store(2).await, None)).await;
+    // The first request leaves a connection in the pool; the delete goes on it, and is dropped.
+    let (answer, _) = raw_get(running.addr, "/warm").await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    let answer = send_raw(
+        running.addr,
+        b"DELETE /v1/sessions/cut HTTP/1.1\r\nhost: s\r\nconnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(answer.ends_with("\r\n\r\n/v1/sessions/cut"), "{answer}");
+}
+
+/// A conditional session delete cut the same way is not sent again: had the first landed, a
+/// second would be refused its precondition, an answer that would tell the agent the
+/// opposite of what happened. Its outcome stays unknown, and the answer says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_conditional_session_delete_cut_before_any_answer_is_not_sent_again() {
+    let running = proxy(proxy_args(one_dropped_request_store(2).await, None)).await;
+    let (answer, _) = raw_get(running.addr, "/warm").await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    let answer = send_raw(
+        running.addr,
+        b"DELETE /v1/sessions/cut HTTP/1.1\r\nhost: s\r\nif-match: \"7\"\r\nconnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 502"), "{answer}");
+    assert!(answer.contains("the outcome is unknown"), "{answer}");
 }

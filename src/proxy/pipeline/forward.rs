@@ -11,13 +11,14 @@ use super::errors::refused;
 use super::queue::{Pending, Queue};
 use super::slot::SlotHold;
 use super::{Forwarded, Shared};
+use crate::http::Body;
 use crate::http::{full, strip_hop_by_hop};
 use crate::lock::{Lease, Settled};
 use crate::merge::MergeError;
 use crate::proxy::answer::Answer;
 use crate::proxy::error::WriteError;
 use crate::session::is_stale;
-use crate::upstream::FENCING_TOKEN;
+use crate::upstream::{Reserved, UpstreamError, FENCING_TOKEN};
 
 /// Serialize mode: each write is forwarded unchanged, one after another under the grant and
 /// under the resource's commit slot, after the stale check against turnlock's own turn mark.
@@ -184,6 +185,13 @@ pub(super) async fn delete_batch(
 }
 
 /// One delete; with what the store did, or `None` when its outcome is unknown.
+///
+/// A delete whose connection failed before any answer (most often a pooled connection the
+/// store had just closed) is sent once more, on a connection opened for it, as HTTP lets an
+/// idempotent request be: the agent gets the store's answer rather than a 502. Not a
+/// conditional one: had the first landed, the second would be refused its precondition, the
+/// opposite of what happened. The first copy's outcome stays unknown all the same (a store
+/// can apply a request whose connection it then drops), so the slot is still left to lapse.
 pub(super) async fn delete_one(
     s: &Shared,
     lease: &Lease,
@@ -201,14 +209,55 @@ pub(super) async fn delete_one(
     if !lease.check() {
         return (Answer::from(WriteError::LeaseLost), Some(Settled::Unchanged));
     }
-    let uri = match s.upstream.uri(path) {
-        Ok(u) => u,
-        Err(e) => {
-            let answer = Answer::from(WriteError::InvalidPath(e.to_string()));
-            return (answer, Some(Settled::Unchanged));
-        }
+    let req = match delete_request(s, lease, path, &p.write) {
+        Ok(req) => req,
+        Err(answer) => return (answer, Some(Settled::Unchanged)),
     };
-    let mut headers = p.write.clone();
+    let first = match send_delete(s, conn, req).await {
+        Ok(answered) => return answered,
+        Err(e) => e,
+    };
+    let resend = matches!(first, UpstreamError::Unreachable(_) | UpstreamError::NotSent(_))
+        && !is_conditional(&p.write)
+        && lease.check();
+    let settled = (!first.outcome_unknown()).then_some(Settled::Unchanged);
+    if !resend {
+        return (Answer::from(WriteError::Upstream(first)), settled);
+    }
+    let (Ok(conn), Ok(req)) = (
+        slot.reserve(s, lease, true).await,
+        delete_request(s, lease, path, &p.write),
+    ) else {
+        return (Answer::from(WriteError::Upstream(first)), settled);
+    };
+    tracing::info!(error = %first, "session delete failed before any answer; sent once more");
+    s.metrics.upstream_retry();
+    match send_delete(s, conn, req).await {
+        // Known now, unless the first copy may still land.
+        Ok((answer, again)) => (answer, settled.and(again)),
+        Err(_) => (Answer::from(WriteError::Upstream(first)), settled),
+    }
+}
+
+/// Whether a request is conditional on the state of what it names.
+fn is_conditional(headers: &HeaderMap) -> bool {
+    [
+        header::IF_MATCH,
+        header::IF_NONE_MATCH,
+        header::IF_UNMODIFIED_SINCE,
+        header::IF_MODIFIED_SINCE,
+    ]
+    .iter()
+    .any(|h| headers.contains_key(h))
+}
+
+/// The store's request for an agent's session delete: its headers, under this grant's fence.
+fn delete_request(s: &Shared, lease: &Lease, path: &str, agent: &HeaderMap) -> Result<Request<Body>, Answer> {
+    let uri = s
+        .upstream
+        .uri(path)
+        .map_err(|e| Answer::from(WriteError::InvalidPath(e.to_string())))?;
+    let mut headers = agent.clone();
     strip_hop_by_hop(&mut headers);
     headers.remove(header::HOST);
     headers.remove(header::CONTENT_LENGTH);
@@ -217,6 +266,15 @@ pub(super) async fn delete_one(
     *req.method_mut() = http::Method::DELETE;
     *req.uri_mut() = uri;
     *req.headers_mut() = headers;
+    Ok(req)
+}
+
+/// Sends a delete: the store's answer with what it did, or the error when none came.
+async fn send_delete(
+    s: &Shared,
+    conn: Reserved,
+    req: Request<Body>,
+) -> Result<(Answer, Option<Settled>), UpstreamError> {
     let started = Instant::now();
     let result = match s.upstream.send_reserved(conn, req).await {
         Ok(res) => {
@@ -231,23 +289,16 @@ pub(super) async fn delete_one(
     s.metrics.upstream("delete", started.elapsed());
     s.metrics
         .upstream_response("delete", result.as_ref().map_or(0, |(status, _, _)| status.as_u16()));
-    match result {
-        Ok((status, res_headers, body)) => {
-            let settled = if status.is_success() || status == StatusCode::NOT_FOUND {
-                Settled::Deleted
-            } else {
-                Settled::Unchanged
-            };
-            let answer = Answer {
-                status,
-                headers: res_headers.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
-                body,
-            };
-            (answer, Some(settled))
-        }
-        Err(e) => {
-            let settled = (!e.outcome_unknown()).then_some(Settled::Unchanged);
-            (Answer::from(WriteError::Upstream(e)), settled)
-        }
-    }
+    let (status, res_headers, body) = result?;
+    let settled = if status.is_success() || status == StatusCode::NOT_FOUND {
+        Settled::Deleted
+    } else {
+        Settled::Unchanged
+    };
+    let answer = Answer {
+        status,
+        headers: res_headers.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+        body,
+    };
+    Ok((answer, Some(settled)))
 }

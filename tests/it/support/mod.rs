@@ -383,6 +383,30 @@ impl Proc {
         panic!("turnlock did not start on any of 5 sets of free ports; last: {why}");
     }
 
+    /// A `turnlock proxy` in front of `upstream` (with `extra` arguments), logging at `info`
+    /// to the file `log`; returns once it listens, with the address it serves.
+    pub fn logged_proxy(upstream: SocketAddr, extra: &[&str], log: &std::path::Path) -> (Self, SocketAddr) {
+        let file = std::fs::File::create(log).expect("log file");
+        let (port, admin) = (free_port(), free_port());
+        let child = Command::new(turnlock_bin())
+            .args(["proxy", "--listen", &format!("127.0.0.1:{port}")])
+            .args(["--admin", &format!("127.0.0.1:{admin}")])
+            .args(["--upstream", &format!("http://{upstream}")])
+            .args(extra)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(file)
+            .spawn()
+            .expect("spawn proxy");
+        let mut proc = Self { child };
+        assert!(
+            proc.wait_for_port(port, Duration::from_secs(10)),
+            "the proxy did not start: {}",
+            std::fs::read_to_string(log).unwrap_or_default()
+        );
+        (proc, SocketAddr::from(([127, 0, 0, 1], port)))
+    }
+
     /// True once something listens on `port`; false when this process exits first or
     /// `timeout` passes.
     fn wait_for_port(&mut self, port: u16, timeout: Duration) -> bool {
