@@ -232,6 +232,11 @@ impl Proxy {
                         }
                     }
                 }
+                // A 204 has no length to state (RFC 9110 8.6), which hyper enforces for
+                // every method but HEAD.
+                if parts.status == StatusCode::NO_CONTENT {
+                    parts.headers.remove(header::CONTENT_LENGTH);
+                }
                 // The answer is the proxy's (an HTTP/1.0 store's answer does not close a
                 // keep-alive client's connection): HTTP/1.1 to an HTTP/1.0 client too, which
                 // hyper writes as HTTP/1.0, keeping a connection the client asked to keep

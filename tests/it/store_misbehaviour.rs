@@ -16,6 +16,8 @@ use tokio::net::{TcpListener, TcpStream};
 enum Then {
     /// Keeps the connection open, reading (and discarding) whatever comes.
     Hold,
+    /// Answers each further request head on the connection the same way.
+    Again,
     /// Reads nothing more for 1.5 s, then reads for 3 s: the connection counts as closed
     /// only when the proxy closed it by then (else it is held 30 s more).
     Deaf,
@@ -68,6 +70,14 @@ async fn serve_answer(mut stream: TcpStream, answer: &'static [u8], then: Then) 
     }
     match then {
         Then::Hold => while matches!(stream.read(&mut buf).await, Ok(n) if n > 0) {},
+        Then::Again => {
+            let mut pending = Vec::new();
+            while next_head(&mut stream, &mut pending).await.is_some() {
+                if stream.write_all(answer).await.is_err() {
+                    return;
+                }
+            }
+        }
         Then::Deaf => {
             tokio::time::sleep(Duration::from_millis(1500)).await;
             let drained = tokio::time::timeout(Duration::from_secs(3), async {
@@ -704,4 +714,21 @@ async fn a_conditional_session_delete_cut_before_any_answer_is_not_sent_again() 
     .await;
     assert!(answer.starts_with("HTTP/1.1 502"), "{answer}");
     assert!(answer.contains("the outcome is unknown"), "{answer}");
+}
+
+/// A `204` carries no `Content-Length` (RFC 9110 8.6: a server must not send one), whatever
+/// the store put in it and whatever the method: hyper drops it for a GET, not for a `HEAD`.
+#[tokio::test]
+async fn a_204_goes_on_without_a_length_even_to_a_head() {
+    let (store, _) = raw_store(b"HTTP/1.1 204 No Content\r\ncontent-length: 5\r\n\r\n", Then::Again).await;
+    let running = proxy(proxy_args(store, None)).await;
+    for method in ["HEAD", "GET", "DELETE"] {
+        let request = format!("{method} /nothing HTTP/1.1\r\nhost: s\r\nconnection: close\r\n\r\n");
+        let answer = send_raw(running.addr, request.as_bytes()).await;
+        assert!(answer.starts_with("HTTP/1.1 204"), "{method}: {answer}");
+        assert!(
+            !answer.to_ascii_lowercase().contains("content-length"),
+            "{method}: {answer}"
+        );
+    }
 }
