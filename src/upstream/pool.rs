@@ -17,8 +17,10 @@
 
 use std::collections::VecDeque;
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::task::Poll;
 use std::time::Duration;
 
 use http::header::{self, HeaderValue};
@@ -262,23 +264,21 @@ impl Pool {
                 watch.watch(&conn.slot);
             }
             let sent = conn.tx.try_send_request(req);
+            tokio::pin!(sent);
+            let watched = answered_or_gone(sent.as_mut(), &mut conn.tx);
             let answered = match answer_within {
-                Some(limit) => match tokio::time::timeout(limit, sent).await {
+                Some(limit) => match tokio::time::timeout(limit, watched).await {
                     Ok(answered) => answered,
                     Err(_) => return Err(UpstreamError::Timeout(limit)),
                 },
-                None => sent.await,
+                None => watched.await,
             };
-            let mut failed = match answered {
-                Ok(res) => {
-                    if let Some(refused) = unreadable(&res, upgrade_asked) {
-                        // The connection is not given back (dropped, it closes): where this
-                        // answer ends is in doubt, or it no longer speaks HTTP.
-                        return Err(refused);
-                    }
+            let (mut failed, reused, slot) = match answered {
+                Some(Ok(res)) => {
+                    // Refused: the connection is not given back (dropped, it closes).
+                    let res = taken(res, upgrade_asked, &conn.slot)?;
                     if res.status() == http::StatusCode::SWITCHING_PROTOCOLS {
-                        // A tunnel now: no longer one of the store connections requests share.
-                        conn.slot.release();
+                        // A tunnel now (its place given back).
                     } else if head {
                         // Dropped: the connection closes once its answer is read.
                     } else if let Some(keep) = keep {
@@ -289,16 +289,30 @@ impl Pool {
                     // Else opened outside the cap for a health check: closed once answered.
                     return Ok(res);
                 }
-                Err(failed) => failed,
+                Some(Err(failed)) => (failed, conn.reused, conn.slot.clone()),
+                // The connection's task ended just as the request went into its channel (the
+                // channel's sender and its closing receiver race there): nothing will take it
+                // out again, and it would wait out the timeout, never sent. Dropping the
+                // connection's handle, the channel's last sender, frees it: it comes back
+                // unsent (or with the error the connection ended with, had it been taken).
+                None => {
+                    let Taken { tx, slot, reused } = conn;
+                    drop(tx);
+                    match sent.await {
+                        // Answered after all, as its connection ended (or became a tunnel).
+                        Ok(res) => return taken(res, upgrade_asked, &slot),
+                        Err(failed) => (failed, reused, slot),
+                    }
+                }
             };
             let unsent = failed.take_message();
             let error = failed.into_error();
             match unsent {
-                Some(unsent) if conn.reused => {
+                Some(unsent) if reused => {
                     tracing::debug!(error = %error, "pooled store connection closed before the request was written; using another");
                     // Its place under the cap is free for the next one (at the cap, the
                     // wait below would otherwise be for this dead connection's place).
-                    conn.slot.release();
+                    slot.release();
                     req = unsent;
                     conn = match self.take_idle() {
                         Some(conn) => conn,
@@ -573,6 +587,41 @@ fn unreadable(res: &Response<Incoming>, upgrade_asked: bool) -> Option<UpstreamE
         ));
     }
     None
+}
+
+/// An answer as it is passed on: refused when it is not HTTP the client could be given
+/// ([`unreadable`]: where it ends is in doubt, or the connection no longer speaks HTTP); a
+/// switch of protocols gives the connection's place under the cap back (a tunnel now, no
+/// longer one of the store connections requests share).
+fn taken(res: Response<Incoming>, upgrade_asked: bool, slot: &Slot) -> Result<Response<Incoming>, UpstreamError> {
+    if let Some(refused) = unreadable(&res, upgrade_asked) {
+        return Err(refused);
+    }
+    if res.status() == http::StatusCode::SWITCHING_PROTOCOLS {
+        slot.release();
+    }
+    Ok(res)
+}
+
+/// The answer to a request handed to a connection (`sent`), or `None` when the connection's
+/// task is gone with the request left in its channel, unanswered: then only dropping `tx`
+/// resolves `sent`.
+async fn answered_or_gone<F, T>(mut sent: Pin<&mut F>, tx: &mut SendRequest<Body>) -> Option<T>
+where
+    F: Future<Output = T>,
+{
+    std::future::poll_fn(|cx| {
+        if let Poll::Ready(answered) = sent.as_mut().poll(cx) {
+            return Poll::Ready(Some(answered));
+        }
+        // Ready and wanting another request never happens with one unanswered: nothing to
+        // wait for in that case, the answer wakes this task.
+        match tx.poll_ready(cx) {
+            Poll::Ready(Err(_)) => Poll::Ready(None),
+            _ => Poll::Pending,
+        }
+    })
+    .await
 }
 
 /// A failure before anything was written to the store.
