@@ -48,6 +48,10 @@ pub enum WriteError {
     /// The store failed or refused.
     #[error(transparent)]
     Upstream(#[from] UpstreamError),
+    /// The store failed on a session delete, which keeps no idempotency record (a repeated
+    /// delete is answered by the store).
+    #[error(transparent)]
+    DeleteFailed(UpstreamError),
     /// The store failed on turnlock's read of the document, before anything was written.
     #[error("{0}, on turnlock's read of the document")]
     ReadFailed(UpstreamError),
@@ -88,8 +92,9 @@ impl From<WriteError> for Answer {
                 &e,
                 Some(json!({"size": size, "limit": limit})),
             ),
-            WriteError::Upstream(u) => upstream(u, u.outcome_unknown()),
-            WriteError::ReadFailed(u) => upstream(u, false),
+            WriteError::Upstream(u) => upstream(u, u.outcome_unknown().then_some(RETRY_WRITE)),
+            WriteError::DeleteFailed(u) => upstream(u, u.outcome_unknown().then_some(RETRY_DELETE)),
+            WriteError::ReadFailed(u) => upstream(u, None),
             WriteError::InvalidPath(_) => Answer::error(StatusCode::BAD_REQUEST, "invalid_path", &e, None),
             WriteError::Internal(_) => Answer::error(StatusCode::INTERNAL_SERVER_ERROR, "internal", &e, None),
         }
@@ -232,9 +237,14 @@ fn refused(e: &MergeError) -> Answer {
 /// How much of a store's refusal is kept to answer it with.
 const STORE_BODY_KEPT: usize = 8 * 1024;
 
-/// The answer to a store's failure or refusal; `may_have_landed` when a write was sent and its
-/// outcome is unknown.
-fn upstream(e: &UpstreamError, may_have_landed: bool) -> Answer {
+/// What a retry of a write whose outcome is unknown does.
+const RETRY_WRITE: &str = "A retry with the same Idempotency-Key does not apply it twice";
+/// What a repeat of a delete whose outcome is unknown does.
+const RETRY_DELETE: &str = "A repeated delete is answered by the store (usually 404 if this one was applied)";
+
+/// The answer to a store's failure or refusal; with what a retry does when a write was sent
+/// and its outcome is unknown.
+fn upstream(e: &UpstreamError, unknown: Option<&str>) -> Answer {
     if let UpstreamError::Status { status, .. } = e {
         if *status == StatusCode::PAYLOAD_TOO_LARGE {
             return Answer::error(
@@ -255,13 +265,9 @@ fn upstream(e: &UpstreamError, may_have_landed: bool) -> Answer {
         UpstreamError::Status { status, .. } => Some(json!({"upstream_status": status.as_u16()})),
         _ => None,
     };
-    let message = if may_have_landed {
-        format!(
-            "{e}; the outcome is unknown: the write may have been applied. A retry with the same \
-             Idempotency-Key does not apply it twice"
-        )
-    } else {
-        format!("{e}; nothing was written by this request")
+    let message = match unknown {
+        Some(retry) => format!("{e}; the outcome is unknown: the write may have been applied. {retry}"),
+        None => format!("{e}; nothing was written by this request"),
     };
     let answer = Answer::error(e.status(), e.code(), message, extra);
     if matches!(e, UpstreamError::FencedOut) {
@@ -424,6 +430,10 @@ mod tests {
             body: Default::default(),
         }));
         assert_eq!(body(&too_large)["error"], "document_too_large");
+        let delete = Answer::from(WriteError::DeleteFailed(UpstreamError::Unreachable("reset".into())));
+        let message = body(&delete)["message"].as_str().unwrap_or("").to_owned();
+        assert!(message.contains("outcome is unknown"), "{message}");
+        assert!(!message.contains("Idempotency-Key"), "{message}");
         let fenced = Answer::from(WriteError::from(UpstreamError::FencedOut));
         assert_eq!(fenced.status, StatusCode::SERVICE_UNAVAILABLE);
         assert!(retry_after(&fenced));

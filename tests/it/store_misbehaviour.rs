@@ -762,3 +762,108 @@ async fn a_204_goes_on_without_a_length_even_to_a_head() {
         );
     }
 }
+
+/// What a [`scripted_store`] does with one request.
+#[derive(Clone, Copy)]
+enum Step {
+    /// Answers with its path, keeping the connection.
+    Echo,
+    /// Closes the connection without answering.
+    Drop,
+    /// Writes these bytes, then closes the connection.
+    Cut(&'static [u8]),
+    /// Answers with these bytes, keeping the connection.
+    Answer(&'static [u8]),
+}
+
+/// A keep-alive store that does `script[n]` with its `n`th request (the health check's
+/// `GET /` aside, always echoed), and echoes those past the script; with the request heads
+/// it saw, in order.
+async fn scripted_store(script: &'static [Step]) -> (SocketAddr, Arc<std::sync::Mutex<Vec<String>>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let heads = seen.clone();
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            let seen = seen.clone();
+            tokio::spawn(async move {
+                let mut pending = Vec::new();
+                while let Some(head) = next_head(&mut stream, &mut pending).await {
+                    let path = path_of(&head);
+                    let step = if path == "/" {
+                        Step::Echo
+                    } else {
+                        let mut seen = seen.lock().expect("heads");
+                        seen.push(head.clone());
+                        script.get(seen.len() - 1).copied().unwrap_or(Step::Echo)
+                    };
+                    let answer = match step {
+                        Step::Echo => {
+                            format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{path}", path.len()).into_bytes()
+                        }
+                        Step::Drop => return,
+                        Step::Cut(bytes) | Step::Answer(bytes) => bytes.to_vec(),
+                    };
+                    if stream.write_all(&answer).await.is_err() || matches!(step, Step::Cut(_)) {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (addr, heads)
+}
+
+/// How many of the heads a store saw are deletes.
+fn deletes(heads: &std::sync::Mutex<Vec<String>>) -> usize {
+    heads
+        .lock()
+        .expect("heads")
+        .iter()
+        .filter(|h| h.starts_with("DELETE "))
+        .count()
+}
+
+/// A session delete whose answer had begun when its connection was cut (the head came, the
+/// body did not) is not sent again: the store had it. Its outcome is unknown, and the
+/// answer says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_delete_cut_in_its_answer_is_not_sent_again() {
+    static SCRIPT: [Step; 1] = [Step::Cut(b"HTTP/1.1 200 OK\r\ncontent-length: 50\r\n\r\nabcde")];
+    let (store, heads) = scripted_store(&SCRIPT).await;
+    let running = proxy(proxy_args(store, None)).await;
+    let answer = send_raw(
+        running.addr,
+        b"DELETE /v1/sessions/begun HTTP/1.1\r\nhost: s\r\nconnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 502"), "{answer}");
+    assert!(answer.contains("the outcome is unknown"), "{answer}");
+    assert!(!answer.contains("Idempotency-Key"), "deletes keep no record: {answer}");
+    assert_eq!(deletes(&heads), 1, "{:?}", heads.lock().expect("heads"));
+}
+
+/// A resent session delete whose second copy gets an answer that says nothing of the first
+/// (a 503: the first may have deleted the document) is answered as the first copy's
+/// unknown outcome, not with that 503.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resent_delete_answered_503_keeps_its_outcome_unknown() {
+    static SCRIPT: [Step; 3] = [
+        Step::Echo,
+        Step::Drop,
+        Step::Answer(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 4\r\n\r\nbusy"),
+    ];
+    let (store, heads) = scripted_store(&SCRIPT).await;
+    let running = proxy(proxy_args(store, None)).await;
+    let (answer, _) = raw_get(running.addr, "/warm").await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    let answer = send_raw(
+        running.addr,
+        b"DELETE /v1/sessions/busy HTTP/1.1\r\nhost: s\r\nconnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 502"), "{answer}");
+    assert!(answer.contains("the outcome is unknown"), "{answer}");
+    assert_eq!(deletes(&heads), 2, "{:?}", heads.lock().expect("heads"));
+}

@@ -215,27 +215,38 @@ pub(super) async fn delete_one(
     };
     let first = match send_delete(s, conn, req).await {
         Ok(answered) => return answered,
-        Err(e) => e,
+        // The store's answer had begun (its body failed): it had the delete.
+        Err(Failed { error, begun: true }) => {
+            let settled = (!error.outcome_unknown()).then_some(Settled::Unchanged);
+            return (Answer::from(WriteError::DeleteFailed(error)), settled);
+        }
+        Err(Failed { error, begun: false }) => error,
     };
     let resend = matches!(first, UpstreamError::Unreachable(_) | UpstreamError::NotSent(_))
         && !is_conditional(&p.write)
         && lease.check();
     let settled = (!first.outcome_unknown()).then_some(Settled::Unchanged);
     if !resend {
-        return (Answer::from(WriteError::Upstream(first)), settled);
+        return (Answer::from(WriteError::DeleteFailed(first)), settled);
     }
     let (Ok(conn), Ok(req)) = (
         slot.reserve(s, lease, true).await,
         delete_request(s, lease, path, &p.write),
     ) else {
-        return (Answer::from(WriteError::Upstream(first)), settled);
+        return (Answer::from(WriteError::DeleteFailed(first)), settled);
     };
     tracing::info!(error = %first, "session delete failed before any answer; sent once more");
     s.metrics.upstream_retry();
     match send_delete(s, conn, req).await {
-        // Known now, unless the first copy may still land.
-        Ok((answer, again)) => (answer, settled.and(again)),
-        Err(_) => (Answer::from(WriteError::Upstream(first)), settled),
+        // The store's answer, when it tells what became of the delete: the first copy was not
+        // sent, or the document is gone now (deleted by either copy). Known then, unless the
+        // first copy may still land. Another answer (a 503) says nothing of the first copy.
+        Ok((answer, again))
+            if settled.is_some() || answer.status.is_success() || answer.status == StatusCode::NOT_FOUND =>
+        {
+            (answer, settled.and(again))
+        }
+        _ => (Answer::from(WriteError::DeleteFailed(first)), settled),
     }
 }
 
@@ -269,12 +280,15 @@ fn delete_request(s: &Shared, lease: &Lease, path: &str, agent: &HeaderMap) -> R
     Ok(req)
 }
 
-/// Sends a delete: the store's answer with what it did, or the error when none came.
-async fn send_delete(
-    s: &Shared,
-    conn: Reserved,
-    req: Request<Body>,
-) -> Result<(Answer, Option<Settled>), UpstreamError> {
+/// Why a delete got no answer to pass on.
+struct Failed {
+    error: UpstreamError,
+    /// The store's answer had begun (its head came, its body failed).
+    begun: bool,
+}
+
+/// Sends a delete: the store's answer with what it did, or why none came.
+async fn send_delete(s: &Shared, conn: Reserved, req: Request<Body>) -> Result<(Answer, Option<Settled>), Failed> {
     let started = Instant::now();
     let result = match s.upstream.send_reserved(conn, req).await {
         Ok(res) => {
@@ -282,9 +296,11 @@ async fn send_delete(
             let mut res_headers = res.headers().clone();
             strip_hop_by_hop(&mut res_headers);
             res_headers.remove(header::CONTENT_LENGTH);
-            s.upstream.body(res).await.map(|b| (status, res_headers, b))
+            let body = s.upstream.body(res).await;
+            body.map(|b| (status, res_headers, b))
+                .map_err(|error| Failed { error, begun: true })
         }
-        Err(e) => Err(e),
+        Err(error) => Err(Failed { error, begun: false }),
     };
     s.metrics.upstream("delete", started.elapsed());
     s.metrics
