@@ -17,10 +17,8 @@
 
 use std::collections::VecDeque;
 use std::future::Future;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
-use std::task::Poll;
 use std::time::Duration;
 
 use http::header::{self, HeaderValue};
@@ -264,45 +262,45 @@ impl Pool {
                 watch.watch(&conn.slot);
             }
             let sent = conn.tx.try_send_request(req);
-            tokio::pin!(sent);
-            let watched = answered_or_gone(sent.as_mut(), &mut conn.tx);
-            let answered = match answer_within {
-                Some(limit) => match tokio::time::timeout(limit, watched).await {
-                    Ok(answered) => answered,
-                    Err(_) => return Err(UpstreamError::Timeout(limit)),
-                },
-                None => watched.await,
-            };
-            let (mut failed, reused, slot) = match answered {
-                Some(Ok(res)) => {
-                    // Refused: the connection is not given back (dropped, it closes).
-                    let res = taken(res, upgrade_asked, &conn.slot)?;
-                    if res.status() == http::StatusCode::SWITCHING_PROTOCOLS {
-                        // A tunnel now (its place given back).
-                    } else if head {
-                        // Dropped: the connection closes once its answer is read.
-                    } else if let Some(keep) = keep {
-                        *keep = Some(Taken { reused: true, ..conn });
-                    } else if conn.slot.capped() {
-                        self.give_back(conn.tx, conn.slot);
-                    }
-                    // Else opened outside the cap for a health check: closed once answered.
-                    return Ok(res);
+            let (mut failed, reused, slot) = if conn.tx.is_closed() {
+                // The connection's task ended as the request was handed over: it may have
+                // gone into the connection's channel after the channel was emptied for the
+                // last time (its sender and its closing receiver race there), and nothing
+                // would ever take it out and answer it: it would wait out the timeout, never
+                // sent. Dropping the connection's handle, the channel's last sender, frees
+                // it: it comes back unsent (or with the error the connection ended with, had
+                // it been taken; or answered, had the answer come just before the end).
+                let Taken { tx, slot, reused } = conn;
+                drop(tx);
+                match sent.await {
+                    Ok(res) => return taken(res, upgrade_asked, &slot),
+                    Err(failed) => (failed, reused, slot),
                 }
-                Some(Err(failed)) => (failed, conn.reused, conn.slot.clone()),
-                // The connection's task ended just as the request went into its channel (the
-                // channel's sender and its closing receiver race there): nothing will take it
-                // out again, and it would wait out the timeout, never sent. Dropping the
-                // connection's handle, the channel's last sender, frees it: it comes back
-                // unsent (or with the error the connection ended with, had it been taken).
-                None => {
-                    let Taken { tx, slot, reused } = conn;
-                    drop(tx);
-                    match sent.await {
-                        // Answered after all, as its connection ended (or became a tunnel).
-                        Ok(res) => return taken(res, upgrade_asked, &slot),
-                        Err(failed) => (failed, reused, slot),
+            } else {
+                let answered = match answer_within {
+                    Some(limit) => match tokio::time::timeout(limit, sent).await {
+                        Ok(answered) => answered,
+                        Err(_) => return Err(UpstreamError::Timeout(limit)),
+                    },
+                    None => sent.await,
+                };
+                match answered {
+                    Ok(res) => {
+                        // Refused: the connection is not given back (dropped, it closes).
+                        let res = taken(res, upgrade_asked, &conn.slot)?;
+                        if res.status() == http::StatusCode::SWITCHING_PROTOCOLS {
+                            // A tunnel now (its place given back).
+                        } else if head {
+                            // Dropped: the connection closes once its answer is read.
+                        } else if let Some(keep) = keep {
+                            *keep = Some(Taken { reused: true, ..conn });
+                        } else if conn.slot.capped() {
+                            self.give_back(conn.tx, conn.slot);
+                        }
+                        // Else opened outside the cap for a health check: closed once answered.
+                        return Ok(res);
                     }
+                    Err(failed) => (failed, conn.reused, conn.slot.clone()),
                 }
             };
             let unsent = failed.take_message();
@@ -601,27 +599,6 @@ fn taken(res: Response<Incoming>, upgrade_asked: bool, slot: &Slot) -> Result<Re
         slot.release();
     }
     Ok(res)
-}
-
-/// The answer to a request handed to a connection (`sent`), or `None` when the connection's
-/// task is gone with the request left in its channel, unanswered: then only dropping `tx`
-/// resolves `sent`.
-async fn answered_or_gone<F, T>(mut sent: Pin<&mut F>, tx: &mut SendRequest<Body>) -> Option<T>
-where
-    F: Future<Output = T>,
-{
-    std::future::poll_fn(|cx| {
-        if let Poll::Ready(answered) = sent.as_mut().poll(cx) {
-            return Poll::Ready(Some(answered));
-        }
-        // Ready and wanting another request never happens with one unanswered: nothing to
-        // wait for in that case, the answer wakes this task.
-        match tx.poll_ready(cx) {
-            Poll::Ready(Err(_)) => Poll::Ready(None),
-            _ => Poll::Pending,
-        }
-    })
-    .await
 }
 
 /// A failure before anything was written to the store.
