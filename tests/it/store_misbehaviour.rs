@@ -567,6 +567,28 @@ async fn wrong_answers(proxy: SocketAddr, prefix: &str, count: usize) -> Vec<Str
     wrong
 }
 
+/// The wrong answers of `clients` keep-alive client connections at once, each sending
+/// `per_client` GETs one after another (see `wrong_answers`), asserted to be none.
+async fn assert_no_wrong_answers(proxy: SocketAddr, prefix: &str, clients: usize, per_client: usize) {
+    let clients: Vec<_> = (0..clients)
+        .map(|c| {
+            let prefix = format!("{prefix}{c}");
+            tokio::spawn(async move { wrong_answers(proxy, &prefix, per_client).await })
+        })
+        .collect();
+    let total = clients.len() * per_client;
+    let mut wrong = Vec::new();
+    for c in clients {
+        wrong.extend(c.await.expect("client"));
+    }
+    assert!(
+        wrong.is_empty(),
+        "{} of {total}: {:#?}",
+        wrong.len(),
+        &wrong[..wrong.len().min(5)]
+    );
+}
+
 /// At the connection cap, a connection the store closed frees its place at once: a request
 /// that found it closed does not wait the store timeout for that dead connection's place
 /// (and then get a 502 that names the cap).
@@ -588,22 +610,7 @@ async fn at_the_cap_a_get_retried_after_a_stale_connection_goes_on_a_fresh_one()
     args.upstream_max_connections = 4;
     args.upstream_timeout_ms = 2000;
     let running = proxy(args).await;
-    let clients: Vec<_> = (0..8)
-        .map(|c| {
-            let addr = running.addr;
-            tokio::spawn(async move { wrong_answers(addr, &format!("c{c}"), 60).await })
-        })
-        .collect();
-    let mut wrong = Vec::new();
-    for c in clients {
-        wrong.extend(c.await.expect("client"));
-    }
-    assert!(
-        wrong.is_empty(),
-        "{} of 480: {:#?}",
-        wrong.len(),
-        &wrong[..wrong.len().min(5)]
-    );
+    assert_no_wrong_answers(running.addr, "c", 8, 60).await;
 }
 
 /// A request handed to a pooled connection just as the connection's task ended (the store
@@ -620,22 +627,7 @@ async fn a_request_handed_to_a_connection_as_it_ends_is_sent_on_another() {
     args.upstream_max_connections = 4;
     args.upstream_timeout_ms = 10_000;
     let running = proxy(args).await;
-    let clients: Vec<_> = (0..8)
-        .map(|c| {
-            let addr = running.addr;
-            tokio::spawn(async move { wrong_answers(addr, &format!("e{c}"), 600).await })
-        })
-        .collect();
-    let mut wrong = Vec::new();
-    for c in clients {
-        wrong.extend(c.await.expect("client"));
-    }
-    assert!(
-        wrong.is_empty(),
-        "{} of 4800: {:#?}",
-        wrong.len(),
-        &wrong[..wrong.len().min(5)]
-    );
+    assert_no_wrong_answers(running.addr, "e", 8, 600).await;
 }
 
 /// A forwarded request the store did not answer usably is logged (a warning, at most every
@@ -700,17 +692,7 @@ async fn at_the_cap_a_retried_get_is_not_starved_by_the_requests_waiting_there()
     args.upstream_max_connections = 1;
     args.upstream_timeout_ms = 1000;
     let running = proxy(args).await;
-    let clients: Vec<_> = (0..8)
-        .map(|c| {
-            let addr = running.addr;
-            tokio::spawn(async move { wrong_answers(addr, &format!("w{c}"), 40).await })
-        })
-        .collect();
-    let mut wrong = Vec::new();
-    for c in clients {
-        wrong.extend(c.await.expect("client"));
-    }
-    assert!(wrong.is_empty(), "{} of 320: {wrong:#?}", wrong.len());
+    assert_no_wrong_answers(running.addr, "w", 8, 40).await;
 }
 
 /// A session delete whose store connection was cut before any answer (the store dropped

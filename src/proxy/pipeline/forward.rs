@@ -125,37 +125,18 @@ pub(super) async fn serialize_one(
         return (Answer::from(WriteError::Upstream(e)), Some(Settled::Unchanged));
     }
     let req = Request::from_parts(parts, req_body);
-    let started = Instant::now();
-    let result = match s.upstream.send_reserved(conn, req).await {
-        Ok(res) => {
-            let status = res.status();
-            let mut res_headers = res.headers().clone();
-            strip_hop_by_hop(&mut res_headers);
-            res_headers.remove(header::CONTENT_LENGTH);
-            s.upstream.body(res).await.map(|b| (status, res_headers, b))
-        }
-        Err(e) => Err(e),
-    };
-    s.metrics.upstream("forward", started.elapsed());
-    s.metrics
-        .upstream_response("forward", result.as_ref().map_or(0, |(status, _, _)| status.as_u16()));
-    match result {
-        Ok((status, res_headers, body)) => {
-            let settled = if status.is_success() {
+    match store_answer(s, "forward", conn, req).await {
+        Ok(answer) => {
+            let settled = if answer.status.is_success() {
                 Settled::Accepted(turn)
             } else {
                 Settled::Unchanged
             };
-            let answer = Answer {
-                status,
-                headers: res_headers.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
-                body,
-            };
             (answer, Some(settled))
         }
-        Err(e) => {
-            let settled = (!e.outcome_unknown()).then_some(Settled::Unchanged);
-            (Answer::from(WriteError::Upstream(e)), settled)
+        Err(Failed { error, .. }) => {
+            let settled = (!error.outcome_unknown()).then_some(Settled::Unchanged);
+            (Answer::from(WriteError::Upstream(error)), settled)
         }
     }
 }
@@ -280,7 +261,7 @@ fn delete_request(s: &Shared, lease: &Lease, path: &str, agent: &HeaderMap) -> R
     Ok(req)
 }
 
-/// Why a delete got no answer to pass on.
+/// Why the store's answer to a request could not be passed on.
 struct Failed {
     error: UpstreamError,
     /// The store's answer had begun (its head came, its body failed).
@@ -289,32 +270,37 @@ struct Failed {
 
 /// Sends a delete: the store's answer with what it did, or why none came.
 async fn send_delete(s: &Shared, conn: Reserved, req: Request<Body>) -> Result<(Answer, Option<Settled>), Failed> {
-    let started = Instant::now();
-    let result = match s.upstream.send_reserved(conn, req).await {
-        Ok(res) => {
-            let status = res.status();
-            let mut res_headers = res.headers().clone();
-            strip_hop_by_hop(&mut res_headers);
-            res_headers.remove(header::CONTENT_LENGTH);
-            let body = s.upstream.body(res).await;
-            body.map(|b| (status, res_headers, b))
-                .map_err(|error| Failed { error, begun: true })
-        }
-        Err(error) => Err(Failed { error, begun: false }),
-    };
-    s.metrics.upstream("delete", started.elapsed());
-    s.metrics
-        .upstream_response("delete", result.as_ref().map_or(0, |(status, _, _)| status.as_u16()));
-    let (status, res_headers, body) = result?;
-    let settled = if status.is_success() || status == StatusCode::NOT_FOUND {
+    let answer = store_answer(s, "delete", conn, req).await?;
+    let settled = if answer.status.is_success() || answer.status == StatusCode::NOT_FOUND {
         Settled::Deleted
     } else {
         Settled::Unchanged
     };
-    let answer = Answer {
-        status,
-        headers: res_headers.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
-        body,
-    };
     Ok((answer, Some(settled)))
+}
+
+/// Sends a request on a reserved store connection and reads the store's whole answer, to be
+/// passed on as it is (less its hop-by-hop headers and length), counted as `kind`.
+async fn store_answer(s: &Shared, kind: &'static str, conn: Reserved, req: Request<Body>) -> Result<Answer, Failed> {
+    let started = Instant::now();
+    let result = match s.upstream.send_reserved(conn, req).await {
+        Ok(res) => {
+            let status = res.status();
+            let mut headers = res.headers().clone();
+            strip_hop_by_hop(&mut headers);
+            headers.remove(header::CONTENT_LENGTH);
+            let body = s.upstream.body(res).await;
+            body.map(|body| Answer {
+                status,
+                headers: headers.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+                body,
+            })
+            .map_err(|error| Failed { error, begun: true })
+        }
+        Err(error) => Err(Failed { error, begun: false }),
+    };
+    s.metrics.upstream(kind, started.elapsed());
+    s.metrics
+        .upstream_response(kind, result.as_ref().map_or(0, |answer| answer.status.as_u16()));
+    result
 }
