@@ -569,6 +569,21 @@ mod tests {
         assert_ne!(a, key("/b/session_s2/agents/agent_a/messages/message_1.json"));
     }
 
+    /// A delete is ordered by the document's commit slot: its route names no turn.
+    #[test]
+    fn a_delete_route_needs_no_turn() {
+        let routes = Routes::from_toml(
+            "[[route]]\nmethod='DELETE'\npath='/db/{session}'\nmode='merge'\nkind='delete'",
+            "/v1/sessions",
+        )
+        .expect("a delete route without a turn");
+        let (route, _) = routes
+            .find(&Method::DELETE, "/db/s1")
+            .expect("unambiguous")
+            .expect("matched");
+        assert!(matches!(route.mode, Mode::Merge { kind: Kind::Delete, .. }));
+    }
+
     #[test]
     fn invalid_routes_files_say_what_is_wrong() {
         for (toml, needle) in [
@@ -596,6 +611,10 @@ mod tests {
             (
                 "[[route]]\nmethod='POST'\npath='/x/{session}'\nturn={body='/t'}\nkind='append'",
                 "missing field `mode`",
+            ),
+            (
+                "[[route]]\nmethod='PUT'\npath='/x/{session}'\nmode='merge'\nkind='put'",
+                "only kind = \"delete\" has none",
             ),
         ] {
             let err = Routes::from_toml(toml, "/v1/sessions").unwrap_err();

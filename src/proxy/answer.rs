@@ -14,6 +14,10 @@ pub struct Answer {
     pub status: StatusCode,
     pub headers: Vec<(HeaderName, HeaderValue)>,
     pub body: Bytes,
+    /// The store's own answer to the client's request (a session delete, a serialized
+    /// write): passed on as it came, in every store dialect, where turnlock's own answers
+    /// are put in the dialect's form.
+    pub passed_on: bool,
 }
 
 impl Answer {
@@ -22,6 +26,7 @@ impl Answer {
             status,
             headers: vec![(header::CONTENT_TYPE, HeaderValue::from_static("application/json"))],
             body: Bytes::from(serde_json::to_vec(value).unwrap_or_default()),
+            passed_on: false,
         }
     }
 
@@ -108,6 +113,9 @@ pub struct Stored {
     /// The body in base64, when it is not UTF-8 (a compressed answer, say).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub body_base64: Option<String>,
+    /// See [`Answer::passed_on`].
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub passed_on: bool,
 }
 
 impl Record {
@@ -141,6 +149,7 @@ impl Record {
                 headers,
                 body,
                 body_base64,
+                passed_on: answer.passed_on,
             }),
             claim: None,
         };
@@ -170,6 +179,7 @@ impl Stored {
                 Some(b64) => Bytes::from(base64::decode(b64).unwrap_or_default()),
                 None => Bytes::from(self.body.clone()),
             },
+            passed_on: self.passed_on,
         }
     }
 }

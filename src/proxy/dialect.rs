@@ -77,6 +77,9 @@ fn store_error(table: &[(&str, u16, &'static str)], code: &str, status: StatusCo
 /// The answer to a write that went through the pipeline, in the route's dialect.
 pub fn answer(dialect: &Dialect, captures: &Captures, answer: Answer) -> Response<Body> {
     let code = answer.code();
+    if answer.passed_on {
+        return answer.into_response();
+    }
     let mut res = match dialect.answer {
         AnswerForm::Turnlock => return answer.into_response(),
         AnswerForm::S3 if answer.status.is_success() => {

@@ -70,14 +70,15 @@ struct SerializeRoute {
 struct MergeRoute {
     method: String,
     path: String,
-    turn: FileTurn,
+    /// Required but for `kind = "delete"`, which carries no turn.
+    turn: Option<FileTurn>,
     /// Required; optional here only to refuse its absence with the list of kinds.
     kind: Option<Kind>,
     document: Option<String>,
     session_scope: Option<Vec<String>>,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 struct FileTurn {
     body: Option<String>,
@@ -107,9 +108,23 @@ impl Routes {
         let mut routes: Vec<Route> = Vec::new();
         for (i, r) in file.route.into_iter().enumerate() {
             let at = |msg: String| format!("route #{}: {msg}", i + 1);
+            // A delete is ordered by the document's commit slot: it has no turn to name.
+            let no_turn = FileTurn {
+                body: Some("/turn".into()),
+                ..FileTurn::default()
+            };
             let (method, path, turn, session_scope) = match &r {
                 FileRoute::Serialize(r) => (&r.method, &r.path, &r.turn, r.session_scope.clone()),
-                FileRoute::Merge(r) => (&r.method, &r.path, &r.turn, r.session_scope.clone()),
+                FileRoute::Merge(r) => {
+                    let turn = match (&r.turn, r.kind) {
+                        (Some(turn), _) => turn,
+                        (None, Some(Kind::Delete)) => &no_turn,
+                        (None, _) => {
+                            return Err(at("a merge route needs turn = { body = \"/json/pointer\" } or { header = \"Name\" } (only kind = \"delete\" has none)".into()))
+                        }
+                    };
+                    (&r.method, &r.path, turn, r.session_scope.clone())
+                }
             };
             let raw_path = path.clone();
             let method = Method::from_bytes(method.to_ascii_uppercase().as_bytes())

@@ -327,3 +327,69 @@ async fn if_none_match_star_on_an_existing_document_is_refused_in_every_dialect(
     let doc = direct.send(Method::GET, "/db/x", None, &[]).await.expect("read").json;
     assert_eq!(message_ids(&doc), ["first"], "{doc}");
 }
+
+/// CouchDB deletes a document at the revision the client names with `?rev=` (as PouchDB and
+/// nano send it), and refuses (409) when that revision is no longer the latest: a session
+/// delete through the sidecar passes the agent's query string on, so a delete based on an old
+/// revision deletes nothing, and the agent gets CouchDB's own answer (its new `rev`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn couchdb_a_session_delete_at_an_old_rev_is_refused_and_at_the_latest_deletes() {
+    let couch = pouchdb_server();
+    let redis = RedisServer::start();
+    let routes = routes_file(&format!(
+        "{COUCHDB_ROUTES}\n[[route]]\nmethod = \"DELETE\"\npath = \"/{{db}}/{{session}}\"\nmode = \"merge\"\nkind = \"delete\"\n"
+    ));
+    let p = sidecar(&couch, &redis, &routes).await;
+    let direct = JsonClient::new(couch.url());
+    let agent = JsonClient::new(format!("http://{}", p.addr));
+    let r = direct.send(Method::PUT, "/db", None, &[]).await.expect("create db");
+    assert!(r.status.is_success(), "{}", r.status);
+    let rev = || async {
+        let doc = direct.send(Method::GET, "/db/d", None, &[]).await.expect("read").json;
+        doc["_rev"].as_str().expect("a _rev").to_owned()
+    };
+    let first = json!({"_id": "d", "turn": 1, "messages": [{"id": "one"}]});
+    let r = agent
+        .send(Method::PUT, "/db/d", Some(&first), &[])
+        .await
+        .expect("write");
+    assert_eq!(r.status, 201, "{:?}", r.json);
+    let old = rev().await;
+    let second = json!({"_id": "d", "turn": 2, "messages": [{"id": "two"}]});
+    let r = agent
+        .send(Method::PUT, "/db/d", Some(&second), &[])
+        .await
+        .expect("write");
+    assert_eq!(r.status, 201, "{:?}", r.json);
+    let latest = rev().await;
+
+    let r = agent
+        .send(Method::DELETE, &format!("/db/d?rev={old}"), None, &[])
+        .await
+        .expect("delete");
+    assert_eq!(r.status, 409, "a delete at an old revision: {:?}", r.json);
+    assert_eq!(r.json["error"], json!("conflict"), "CouchDB's own answer: {:?}", r.json);
+    let doc = direct.send(Method::GET, "/db/d", None, &[]).await.expect("read").json;
+    assert_eq!(message_ids(&doc), ["one", "two"], "nothing deleted: {doc}");
+
+    let r = agent
+        .send(Method::DELETE, &format!("/db/d?rev={latest}"), None, &[])
+        .await
+        .expect("delete");
+    assert_eq!(r.status, 200, "{:?}", r.json);
+    assert_eq!(r.json["ok"], json!(true), "{:?}", r.json);
+    let gone = r.json["rev"].as_str().unwrap_or_default();
+    assert!(
+        gone.starts_with("3-"),
+        "CouchDB's own revision of the deletion: {:?}",
+        r.json
+    );
+    let r = direct.send(Method::GET, "/db/d", None, &[]).await.expect("read");
+    assert_eq!(r.status, 404, "deleted at the store: {:?}", r.json);
+
+    let next = json!({"_id": "d", "turn": 1, "messages": [{"id": "next-life"}]});
+    let r = agent.send(Method::PUT, "/db/d", Some(&next), &[]).await.expect("write");
+    assert_eq!(r.status, 201, "{:?}", r.json);
+    let doc = direct.send(Method::GET, "/db/d", None, &[]).await.expect("read").json;
+    assert_eq!(message_ids(&doc), ["next-life"], "{doc}");
+}

@@ -10,7 +10,7 @@ use tokio::time::Instant;
 use super::errors::refused;
 use super::queue::{Pending, Queue};
 use super::slot::SlotHold;
-use super::{Forwarded, Shared};
+use super::{DeleteWrite, Forwarded, Shared};
 use crate::http::Body;
 use crate::http::{full, strip_hop_by_hop};
 use crate::lock::{Lease, Settled};
@@ -147,9 +147,9 @@ pub(super) async fn serialize_one(
 /// passed through; on `2xx` or `404` the document's turn mark goes with it.
 pub(super) async fn delete_batch(
     s: &Shared,
-    queue: &Queue<HeaderMap>,
+    queue: &Queue<DeleteWrite>,
     lease: &Lease,
-    batch: &[Pending<HeaderMap>],
+    batch: &[Pending<DeleteWrite>],
     slot: &mut SlotHold,
 ) -> Vec<Answer> {
     let mut answers = Vec::with_capacity(batch.len());
@@ -177,7 +177,7 @@ pub(super) async fn delete_one(
     s: &Shared,
     lease: &Lease,
     path: &str,
-    p: &Pending<HeaderMap>,
+    p: &Pending<DeleteWrite>,
     slot: &mut SlotHold,
 ) -> (Answer, Option<Settled>) {
     if let Err(answer) = slot.hold(s, lease).await {
@@ -204,7 +204,7 @@ pub(super) async fn delete_one(
         Err(Failed { error, begun: false }) => error,
     };
     let resend = matches!(first, UpstreamError::Unreachable(_) | UpstreamError::NotSent(_))
-        && !is_conditional(&p.write)
+        && !is_conditional(&p.write.headers)
         && lease.check();
     let settled = (!first.outcome_unknown()).then_some(Settled::Unchanged);
     if !resend {
@@ -243,13 +243,15 @@ fn is_conditional(headers: &HeaderMap) -> bool {
     .any(|h| headers.contains_key(h))
 }
 
-/// The store's request for an agent's session delete: its headers, under this grant's fence.
-fn delete_request(s: &Shared, lease: &Lease, path: &str, agent: &HeaderMap) -> Result<Request<Body>, Answer> {
-    let uri = s
-        .upstream
-        .uri(path)
-        .map_err(|e| Answer::from(WriteError::InvalidPath(e.to_string())))?;
-    let mut headers = agent.clone();
+/// The store's request for an agent's session delete: its query string and headers, under
+/// this grant's fence.
+fn delete_request(s: &Shared, lease: &Lease, path: &str, agent: &DeleteWrite) -> Result<Request<Body>, Answer> {
+    let uri = match &agent.query {
+        Some(query) => s.upstream.uri(&format!("{path}?{query}")),
+        None => s.upstream.uri(path),
+    }
+    .map_err(|e| Answer::from(WriteError::InvalidPath(e.to_string())))?;
+    let mut headers = agent.headers.clone();
     strip_hop_by_hop(&mut headers);
     headers.remove(header::HOST);
     headers.remove(header::CONTENT_LENGTH);
@@ -294,6 +296,7 @@ async fn store_answer(s: &Shared, kind: &'static str, conn: Reserved, req: Reque
                 status,
                 headers: headers.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
                 body,
+                passed_on: true,
             })
             .map_err(|error| Failed { error, begun: true })
         }

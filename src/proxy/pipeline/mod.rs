@@ -108,7 +108,7 @@ struct Shared {
     metrics: Metrics,
     settings: Settings,
     merges: DashMap<String, Arc<Queue<MergeWrite>>>,
-    deletes: DashMap<String, Arc<Queue<http::HeaderMap>>>,
+    deletes: DashMap<String, Arc<Queue<DeleteWrite>>>,
     serializes: DashMap<String, Arc<Queue<Forwarded>>>,
     /// One gate per session with a leader in this process: leaders of different turns of one
     /// session (different lock keys) take turns here instead of racing to the store and
@@ -236,7 +236,14 @@ impl Pipeline {
                 self.enqueue_as::<MergeCommit>(head, document, MergeWrite { op, store })
                     .await
             }
-            Action::Delete { document, headers } => self.enqueue_as::<DeleteCommit>(head, document, headers).await,
+            Action::Delete {
+                document,
+                query,
+                headers,
+            } => {
+                self.enqueue_as::<DeleteCommit>(head, document, DeleteWrite { query, headers })
+                    .await
+            }
             // The resource is named by the route's path, whatever spelling the client sent.
             Action::Serialize {
                 resource,
@@ -365,6 +372,14 @@ struct DeleteCommit;
 /// Writes forwarded unchanged under the lock (serialize mode).
 struct SerializeCommit;
 
+/// A session delete: what of the client's request goes on to the store.
+pub(super) struct DeleteWrite {
+    /// The client's query string (CouchDB names the revision deleted with `?rev=`).
+    pub(super) query: Option<String>,
+    /// The client's headers (credentials, preconditions).
+    pub(super) headers: http::HeaderMap,
+}
+
 /// A serialized write, as the client sent it.
 pub(super) struct Forwarded {
     pub(super) method: http::Method,
@@ -401,16 +416,16 @@ impl Committer for MergeCommit {
 }
 
 impl Committer for DeleteCommit {
-    type Write = http::HeaderMap;
+    type Write = DeleteWrite;
     const KIND: &'static str = "delete";
-    fn queues(s: &Shared) -> &DashMap<String, Arc<Queue<http::HeaderMap>>> {
+    fn queues(s: &Shared) -> &DashMap<String, Arc<Queue<DeleteWrite>>> {
         &s.deletes
     }
     fn commit<'a>(
         s: &'a Shared,
-        queue: &'a Queue<http::HeaderMap>,
+        queue: &'a Queue<DeleteWrite>,
         lease: &'a Lease,
-        batch: &'a [Pending<http::HeaderMap>],
+        batch: &'a [Pending<DeleteWrite>],
         _records: &'a mut Vec<Entry>,
         slot: &'a mut SlotHold,
     ) -> impl Future<Output = Vec<Answer>> + Send + 'a {

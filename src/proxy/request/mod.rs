@@ -53,8 +53,12 @@ pub enum Action {
         store: StoreParts,
     },
     /// Delete the document at `document` (a path on the store), in its commit order, with
-    /// the client's headers (credentials, preconditions).
-    Delete { document: String, headers: HeaderMap },
+    /// the client's headers (credentials, preconditions) and query string (CouchDB's `rev`).
+    Delete {
+        document: String,
+        query: Option<String>,
+        headers: HeaderMap,
+    },
     /// Forward this request unchanged, under the lock.
     Serialize {
         /// The resource the write protects: the route's path for this session, the same
@@ -160,6 +164,7 @@ pub async fn parse(
             route: route.name,
             action: Action::Delete {
                 document: document.render_with(captures),
+                query: parts.uri.query().map(str::to_owned),
                 headers: parts.headers.clone(),
             },
             idempotency: None,
