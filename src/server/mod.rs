@@ -226,9 +226,11 @@ pub async fn serve_with<M, S, B>(
                 };
                 // Boxed: an idle connection's task keeps only the socket, not hyper's state.
                 let mut conn = Box::new(builder.serve_connection(TokioIo::new(io), service).with_upgrades());
+                // Polled at each wake of the connection (each request, each store answer):
+                // the connection first, and only `graceful`, as `hard_stop` follows it.
                 let ended = tokio::select! {
+                    biased;
                     ended = &mut *conn => ended,
-                    _ = hard.cancelled() => return,
                     _ = graceful.cancelled() => {
                         std::pin::Pin::new(&mut *conn).graceful_shutdown();
                         tokio::select! {
