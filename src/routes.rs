@@ -156,6 +156,8 @@ pub enum RoutesError {
 #[error("the path {path:?} is ambiguous: stores read it as different write routes or sessions; send it normalized")]
 pub struct AmbiguousPath {
     pub path: String,
+    /// The dialect of a route the path matched: the refusal is answered in its form.
+    pub dialect: &'static Dialect,
 }
 
 /// The configured write routes, matched in order.
@@ -262,15 +264,22 @@ impl Routes {
         self.signing.as_ref()
     }
 
-    /// The one route (and session) that the readings of `path` match with `matches`; readings
-    /// that match different writes are ambiguous.
+    fn ambiguous(&self, path: &str, route: usize) -> AmbiguousPath {
+        AmbiguousPath {
+            path: path.to_owned(),
+            dialect: self.routes.get(route).map_or(&dialect::HTTP, |r| r.dialect),
+        }
+    }
+
+    /// The one route (and session) that the readings of `path` match with `matches`, among
+    /// the routes `considered`; readings that match different writes are ambiguous.
     fn match_readings(
         &self,
         method: &Method,
         path: &str,
         readings: &[Vec<String>],
         matches: fn(&Template, &[String]) -> Option<Captures>,
-        ignoring_case: bool,
+        considered: impl Fn(&Route) -> bool,
     ) -> Result<Option<(usize, Captures)>, AmbiguousPath> {
         let mut found: Option<(usize, Captures)> = None;
         for reading in readings {
@@ -278,13 +287,13 @@ impl Routes {
                 .routes
                 .iter()
                 .enumerate()
-                .filter(|(_, r)| r.method == *method && !(ignoring_case && r.dialect.case_sensitive))
+                .filter(|(_, r)| r.method == *method && considered(r))
                 .find_map(|(i, r)| matches(&r.path, reading).map(|s| (i, s)));
             match (&found, hit) {
                 (_, None) => {}
                 (None, Some(h)) => found = Some(h),
                 (Some(f), Some(h)) if *f == h => {}
-                (Some(_), Some(_)) => return Err(AmbiguousPath { path: path.to_owned() }),
+                (Some((i, _)), Some(_)) => return Err(self.ambiguous(path, *i)),
             }
         }
         Ok(found)
@@ -294,17 +303,34 @@ impl Routes {
     ///
     /// The path is read every way a store could read it ([`normalize::readings`]): when any
     /// reading is a write, the request is that write; when readings are different writes, the
-    /// path is refused as ambiguous.
+    /// path is refused as ambiguous. Routes of a store whose names are literal match the
+    /// path as it is sent ([`normalize::literal_reading`]), in its case.
     pub fn find(&self, method: &Method, path: &str) -> Result<Option<(&Route, Captures)>, AmbiguousPath> {
-        if !self.routes.iter().any(|r| r.method == *method) {
+        let routes = || self.routes.iter().filter(|r| r.method == *method);
+        if routes().next().is_none() {
             return Ok(None);
         }
-        let readings = normalize::readings(path);
-        let mut found = self.match_readings(method, path, &readings, Template::matches, false)?;
-        if found.is_none() {
-            // A store whose router ignores case reads `/API/threads/…` as the route: a write
-            // (not on stores whose names are case-sensitive, such as S3 keys).
-            found = self.match_readings(method, path, &readings, Template::matches_ignoring_case, true)?;
+        let mut found = None;
+        // The routes of a file share its store's dialect.
+        if let Some(literal) = routes().map(|r| r.dialect).find(|d| d.literal_names) {
+            let reading = [normalize::literal_reading(path, literal.encoded_slash_separates)];
+            found = self.match_readings(method, path, &reading, Template::matches_literal, |r| {
+                r.dialect.literal_names
+            })?;
+        }
+        if routes().any(|r| !r.dialect.literal_names) {
+            let readings = normalize::readings(path);
+            let normalizing = |r: &Route| !r.dialect.literal_names;
+            let mut normal = self.match_readings(method, path, &readings, Template::matches, normalizing)?;
+            if normal.is_none() {
+                // A store whose router ignores case reads `/API/threads/…` as the route: a
+                // write (not on stores whose names are literal, such as S3 keys).
+                normal = self.match_readings(method, path, &readings, Template::matches_ignoring_case, normalizing)?;
+            }
+            found = match (found, normal) {
+                (Some(a), Some(b)) if a != b => return Err(self.ambiguous(path, a.0)),
+                (a, b) => a.or(b),
+            };
         }
         Ok(found.and_then(|(i, s)| self.routes.get(i).map(|r| (r, s))))
     }
@@ -529,8 +555,27 @@ mod tests {
         ] {
             assert!(routes.find(&Method::PUT, path).unwrap().is_none(), "{path}");
         }
-        // S3 keys are case-sensitive: another case is another object, not this route's.
-        assert!(routes.find(&Method::PUT, "/b1/Sessions/s-7.JSON").unwrap().is_none());
+        // Read by the canonical routes as a session write too: refused, in S3's form.
+        let ambiguous = routes.find(&Method::PUT, "/v1/sessions/s-7.json").unwrap_err();
+        assert_eq!(ambiguous.dialect, &dialect::S3);
+        // S3 keys are literal: another case, an empty, dot or `;` segment, a trailing slash
+        // is another object, not this route's (its write would reach the route's object).
+        for path in [
+            "/b1/Sessions/s-7.JSON",
+            "/b1/sessions//s-7.json",
+            "/b1/sessions/s-7.json/",
+            "/b1/sessions/./s-7.json",
+            "/b1/x/../sessions/s-7.json",
+            "/b1/sessions/s-7.json;a=b",
+            "/b1//sessions/s-7.json",
+        ] {
+            assert!(routes.find(&Method::PUT, path).unwrap().is_none(), "{path}");
+        }
+        // An encoded `/` is a `/` in an S3 key; an escaped unreserved character is that character.
+        let (_, c) = routes.find(&Method::PUT, "/b1/sessions%2Fs-7.json").unwrap().unwrap();
+        assert_eq!(c.session, "s-7");
+        let (_, c) = routes.find(&Method::PUT, "/b1/sessions/%73-7.json").unwrap().unwrap();
+        assert_eq!(c.session, "s-7");
         // Literal text may surround any placeholder.
         let layout = "[[route]]\nmethod='PUT'\npath='/{bucket}/session_{session}/agents/agent_{agent}/agent.json'\nmode='merge'\nkind='put'\nturn={body='/turn',optional=true}";
         let routes = Routes::from_toml(layout, "/v1/sessions").unwrap();
@@ -615,6 +660,31 @@ mod tests {
             (
                 "[[route]]\nmethod='PUT'\npath='/x/{session}'\nmode='merge'\nkind='put'",
                 "only kind = \"delete\" has none",
+            ),
+            // A read (or another write) that would delete the document.
+            (
+                "[[route]]\nmethod='GET'\npath='/x/{session}'\nmode='merge'\nkind='delete'",
+                "route #1: kind = \"delete\" deletes the document: it is for method = \"DELETE\", not \"GET\"",
+            ),
+            // A turn that would not be checked.
+            (
+                "[[route]]\nmethod='DELETE'\npath='/x/{session}'\nmode='merge'\nkind='delete'\nturn={header='X-Turn'}",
+                "route #1: a delete route names no turn",
+            ),
+            (
+                "[[route]]\nmethod='DELETE'\npath='/x/{session}'\nmode='serialize'\nkind='delete'",
+                "route #1: mode \"serialize\" forwards the request unchanged",
+            ),
+            // A mistake in a later route names that route.
+            (
+                "[[route]]\nmethod='PUT'\npath='/x/{session}'\nmode='serialize'\nturn={header='T'}\n\
+                 [[route]]\nmethod='PUT'\npath='/y/{session}'\nmode='serialize'",
+                "route #2: a serialize route needs turn",
+            ),
+            (
+                "[[route]]\nmethod='PUT'\npath='/x/{session}'\nmode='serialize'\nturn={header='T'}\n\
+                 [[route]]\nmethod='PUT'\npath='/y/{session}'\nmode='merge'\nkind='put'\nturn={header='T'}\ndocumnet='/z/{session}'",
+                "route #2: unknown field `documnet`",
             ),
         ] {
             let err = Routes::from_toml(toml, "/v1/sessions").unwrap_err();

@@ -92,7 +92,9 @@ pub fn answer(dialect: &Dialect, captures: &Captures, answer: Answer) -> Respons
             let rev = header_of(&answer, header::ETAG)
                 .map(|v| v.trim_matches('"').to_owned())
                 .unwrap_or_default();
-            let body = json!({"ok": true, "id": captures.session, "rev": rev});
+            // The id as CouchDB names it: the path's segment decoded (`a%20b` is `a b`).
+            let id = percent_encoding::percent_decode_str(&captures.session).decode_utf8_lossy();
+            let body = json!({"ok": true, "id": id, "rev": rev});
             let mut res = json_response(StatusCode::CREATED, &body);
             copy_header(&answer, header::ETAG, &mut res);
             res

@@ -120,7 +120,10 @@ impl Proxy {
             ),
             Err(ambiguous) => (
                 "ambiguous",
-                EdgeError::AmbiguousPath(ambiguous.to_string()).into_response(),
+                dialect::refusal(
+                    ambiguous.dialect,
+                    EdgeError::AmbiguousPath(ambiguous.to_string()).into(),
+                ),
             ),
         };
         // A forwarded answer names no route: that is the default (and costs no map).

@@ -72,9 +72,13 @@ pub struct Dialect {
     /// Request headers never carried: they describe the client's body, not the merged one.
     pub dropped_headers: &'static [&'static str],
     pub answer: AnswerForm,
-    /// Names differ by case (`Strands/…` and `strands/…` are two objects): a path spelled in
-    /// another case is another resource, never this route's write.
-    pub case_sensitive: bool,
+    /// Names are literal: a path spelled in another case (`Strands/…` and `strands/…` are
+    /// two objects), or with an empty, dot or `;params` segment, names another resource,
+    /// never this route's write.
+    pub literal_names: bool,
+    /// With literal names: an encoded `/` (`%2F`) is a `/` (S3: a key is one string), not a
+    /// character of its segment's name (CouchDB: `a%2Fb` is the document `a/b`).
+    pub encoded_slash_separates: bool,
     /// Requests matching a write route that are not writes of the document.
     pub not_writes: &'static [NotAWrite],
 }
@@ -88,7 +92,8 @@ pub const HTTP: Dialect = Dialect {
     kept_headers: &[],
     dropped_headers: &[],
     answer: AnswerForm::Turnlock,
-    case_sensitive: false,
+    literal_names: false,
+    encoded_slash_separates: false,
     not_writes: &[],
 };
 
@@ -123,7 +128,8 @@ pub const S3: Dialect = Dialect {
         "if-none-match",
     ],
     answer: AnswerForm::S3,
-    case_sensitive: true,
+    literal_names: true,
+    encoded_slash_separates: true,
     // Only a plain PutObject is a write: `x-id` is the operation name some SDKs add, and
     // `X-Amz-*` the signature of a presigned URL.
     not_writes: &[
@@ -140,7 +146,8 @@ pub const COUCHDB: Dialect = Dialect {
     kept_headers: &[],
     dropped_headers: &["if-match"],
     answer: AnswerForm::Couchdb,
-    case_sensitive: true,
+    literal_names: true,
+    encoded_slash_separates: false,
     not_writes: &[NotAWrite::SessionPrefix("_")],
 };
 

@@ -12,8 +12,9 @@ struct File {
     session_prefix: Option<String>,
     #[serde(default)]
     store: FileStore,
+    /// Each read on its own (as a [`FileRoute`]), so that its mistakes name it.
     #[serde(default)]
-    route: Vec<FileRoute>,
+    route: Vec<toml::Value>,
 }
 
 /// `[store]`: the protocol of the store behind the file's routes.
@@ -55,7 +56,8 @@ enum FileRoute {
 struct SerializeRoute {
     method: String,
     path: String,
-    turn: FileTurn,
+    /// Required; optional here only to refuse its absence after fields of the wrong mode.
+    turn: Option<FileTurn>,
     /// Objects created once: the JSON pointers a rewrite of a stored object must keep.
     once: Option<Vec<String>>,
     session_scope: Option<Vec<String>>,
@@ -108,18 +110,46 @@ impl Routes {
         let mut routes: Vec<Route> = Vec::new();
         for (i, r) in file.route.into_iter().enumerate() {
             let at = |msg: String| format!("route #{}: {msg}", i + 1);
+            let r: FileRoute = r.try_into().map_err(|e: toml::de::Error| at(e.message().to_owned()))?;
             // A delete is ordered by the document's commit slot: it has no turn to name.
             let no_turn = FileTurn {
                 body: Some("/turn".into()),
                 ..FileTurn::default()
             };
             let (method, path, turn, session_scope) = match &r {
-                FileRoute::Serialize(r) => (&r.method, &r.path, &r.turn, r.session_scope.clone()),
+                FileRoute::Serialize(r) => {
+                    if r.kind.is_some() || r.document.is_some() {
+                        return Err(at(
+                            "mode \"serialize\" forwards the request unchanged: `kind` and `document` belong to mode \"merge\""
+                                .into(),
+                        ));
+                    }
+                    let Some(turn) = &r.turn else {
+                        return Err(at(
+                            "a serialize route needs turn = { body = \"/json/pointer\" } or { header = \"Name\" }"
+                                .into(),
+                        ));
+                    };
+                    (&r.method, &r.path, turn, r.session_scope.clone())
+                }
                 FileRoute::Merge(r) => {
+                    let delete = matches!(r.kind, Some(Kind::Delete));
+                    if delete && !r.method.eq_ignore_ascii_case("DELETE") {
+                        return Err(at(format!(
+                            "kind = \"delete\" deletes the document: it is for method = \"DELETE\", not {:?}",
+                            r.method
+                        )));
+                    }
                     let turn = match (&r.turn, r.kind) {
+                        (Some(_), Some(Kind::Delete)) => {
+                            return Err(at(
+                                "a delete route names no turn: a delete is ordered by the document's commit slot, whatever turn it names".into(),
+                            ))
+                        }
                         (Some(turn), _) => turn,
-                        (None, Some(Kind::Delete)) => &no_turn,
-                        (None, _) => {
+                        // Without a kind: refused below, with the list of kinds.
+                        (None, Some(Kind::Delete) | None) => &no_turn,
+                        (None, Some(_)) => {
                             return Err(at("a merge route needs turn = { body = \"/json/pointer\" } or { header = \"Name\" } (only kind = \"delete\" has none)".into()))
                         }
                     };
@@ -165,12 +195,6 @@ impl Routes {
                         )));
                     }
                     once = r.once;
-                    if r.kind.is_some() || r.document.is_some() {
-                        return Err(at(
-                            "mode \"serialize\" forwards the request unchanged: `kind` and `document` belong to mode \"merge\""
-                                .into(),
-                        ));
-                    }
                     Mode::Serialize
                 }
                 FileRoute::Merge(r) => {

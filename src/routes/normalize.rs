@@ -5,7 +5,9 @@
 //! ignore a trailing slash; some also read an encoded `/` or a `\` as a separator, or drop
 //! `;params` from a segment. A write route must match every spelling a store could take for
 //! it, or a write would reach the store without the lock. So a path is read in each of those
-//! ways ([`readings`]); the router compares what each reading matches.
+//! ways ([`readings`]); the router compares what each reading matches. Stores whose names are
+//! literal (S3 keys, CouchDB ids) read a path as it is sent ([`literal_reading`]): for them
+//! `a//b` or `a/./b` is another name, never the route's document.
 
 /// The segments of a path after RFC 3986 normalization: unreserved characters
 /// percent-decoded (other escapes kept, hex upper-cased), empty segments (duplicate or
@@ -54,6 +56,21 @@ pub fn readings(path: &str) -> Vec<Vec<String>> {
         add(segments(&stripped, false));
     }
     all
+}
+
+/// The reading of `path` by a store whose names are literal (S3 keys, CouchDB document ids):
+/// every segment as sent, empty and dot segments and `;params` included, with its unreserved
+/// characters decoded. An encoded `/` is a separator where `slash_separates` (an S3 key is
+/// one string: `a%2Fb` and `a/b` are one key), else part of its segment (a CouchDB id
+/// holding a `/`, where `a/b` is an attachment of `a`).
+pub fn literal_reading(path: &str, slash_separates: bool) -> Vec<String> {
+    let path = path.strip_prefix('/').unwrap_or(path);
+    let split = |path: &str| path.split('/').map(decode_unreserved).collect();
+    if slash_separates && path.to_ascii_uppercase().contains("%2F") {
+        split(&replace_ci(path, "%2F", "/"))
+    } else {
+        split(path)
+    }
 }
 
 /// Percent-decodes the unreserved characters (`A-Z a-z 0-9 - . _ ~`) of one segment; every
@@ -141,6 +158,17 @@ mod tests {
             assert_eq!(segs(p), want, "{p}");
         }
         assert_eq!(segments("/a/../b", false), vec!["a", "..", "b"]);
+    }
+
+    #[test]
+    fn literal_readings_keep_every_segment_as_sent() {
+        let r = |p: &str| literal_reading(p, true);
+        assert_eq!(r("/b/sessions//k.json"), ["b", "sessions", "", "k.json"]);
+        assert_eq!(r("/b/k.json/"), ["b", "k.json", ""]);
+        assert_eq!(r("/b/./x/../k;a=b"), ["b", ".", "x", "..", "k;a=b"]);
+        assert_eq!(r("/b/%6B\\x"), ["b", "k\\x"]);
+        assert_eq!(r("/b/a%2fb"), ["b", "a", "b"]);
+        assert_eq!(literal_reading("/b/a%2fb", false), ["b", "a%2Fb"]);
     }
 
     #[test]

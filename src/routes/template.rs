@@ -118,6 +118,17 @@ impl Template {
         self.matches_with(parts, |lit, part| lit == part)
     }
 
+    /// Like [`Template::matches`], for a path read as it was sent
+    /// ([`normalize::literal_reading`]): a trailing slash only where the route has one.
+    pub(super) fn matches_literal(&self, parts: &[String]) -> Option<Captures> {
+        let parts = if self.trailing_slash {
+            parts.split_last().filter(|(last, _)| last.is_empty())?.1
+        } else {
+            parts
+        };
+        self.matches(parts)
+    }
+
     /// Like [`Template::matches`], with literal text compared regardless of ASCII case,
     /// as case-insensitive routers (Express, ASP.NET Core, …) compare it.
     pub(super) fn matches_ignoring_case(&self, parts: &[String]) -> Option<Captures> {

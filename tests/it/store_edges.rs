@@ -111,6 +111,41 @@ async fn s3_the_stores_refusals_are_its_own_answers_and_an_unreadable_object_is_
     assert_eq!(r["not_json"]["attempts"], 1, "{r}");
 }
 
+/// A sidecar with `routes` in front of a fresh pouchdb-server holding an empty `db`, and
+/// clients straight to the store and through the sidecar.
+struct Couch {
+    direct: JsonClient,
+    agent: JsonClient,
+    _sidecar: turnlock::sidecar::Running,
+    _routes: tempfile::NamedTempFile,
+    _redis: RedisServer,
+    _store: Server,
+}
+
+async fn couch(routes: &str) -> Couch {
+    let store = pouchdb_server();
+    let redis = RedisServer::start();
+    let routes = routes_file(routes);
+    let sidecar = sidecar(&store, &redis, &routes).await;
+    let direct = JsonClient::new(store.url());
+    let agent = JsonClient::new(format!("http://{}", sidecar.addr));
+    let r = direct.send(Method::PUT, "/db", None, &[]).await.expect("create db");
+    assert!(r.status.is_success(), "{}", r.status);
+    Couch {
+        direct,
+        agent,
+        _sidecar: sidecar,
+        _routes: routes,
+        _redis: redis,
+        _store: store,
+    }
+}
+
+/// The couchdb routes with a delete route for documents.
+fn couchdb_with_delete() -> String {
+    format!("{COUCHDB_ROUTES}\n[[route]]\nmethod = \"DELETE\"\npath = \"/{{db}}/{{session}}\"\nmode = \"merge\"\nkind = \"delete\"\n")
+}
+
 fn message_ids(doc: &Value) -> Vec<String> {
     doc["messages"]
         .as_array()
@@ -120,14 +155,7 @@ fn message_ids(doc: &Value) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn couchdb_a_copy_without_a_turnlock_version_is_merged_without_deletions() {
-    let couch = pouchdb_server();
-    let redis = RedisServer::start();
-    let routes = routes_file(COUCHDB_ROUTES);
-    let p = sidecar(&couch, &redis, &routes).await;
-    let direct = JsonClient::new(couch.url());
-    let agent = JsonClient::new(format!("http://{}", p.addr));
-    let r = direct.send(Method::PUT, "/db", None, &[]).await.expect("create db");
-    assert!(r.status.is_success(), "{}", r.status);
+    let Couch { direct, agent, .. } = &couch(COUCHDB_ROUTES).await;
 
     // Absent when the agent read; created straight at the store; the agent's copy (no `_rev`,
     // which CouchDB itself would refuse 409) keeps the other write.
@@ -174,14 +202,7 @@ async fn couchdb_a_copy_without_a_turnlock_version_is_merged_without_deletions()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn couchdb_database_resources_pass_through_untouched() {
-    let couch = pouchdb_server();
-    let redis = RedisServer::start();
-    let routes = routes_file(COUCHDB_ROUTES);
-    let p = sidecar(&couch, &redis, &routes).await;
-    let direct = JsonClient::new(couch.url());
-    let agent = JsonClient::new(format!("http://{}", p.addr));
-    let r = direct.send(Method::PUT, "/db", None, &[]).await.expect("create db");
-    assert!(r.status.is_success(), "{}", r.status);
+    let Couch { direct, agent, .. } = &couch(COUCHDB_ROUTES).await;
     let security = json!({"admins": {"names": ["ops"], "roles": []}, "members": {"names": [], "roles": []}});
     let through = agent
         .send(Method::PUT, "/db/_security", Some(&security), &[])
@@ -334,16 +355,7 @@ async fn if_none_match_star_on_an_existing_document_is_refused_in_every_dialect(
 /// revision deletes nothing, and the agent gets CouchDB's own answer (its new `rev`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn couchdb_a_session_delete_at_an_old_rev_is_refused_and_at_the_latest_deletes() {
-    let couch = pouchdb_server();
-    let redis = RedisServer::start();
-    let routes = routes_file(&format!(
-        "{COUCHDB_ROUTES}\n[[route]]\nmethod = \"DELETE\"\npath = \"/{{db}}/{{session}}\"\nmode = \"merge\"\nkind = \"delete\"\n"
-    ));
-    let p = sidecar(&couch, &redis, &routes).await;
-    let direct = JsonClient::new(couch.url());
-    let agent = JsonClient::new(format!("http://{}", p.addr));
-    let r = direct.send(Method::PUT, "/db", None, &[]).await.expect("create db");
-    assert!(r.status.is_success(), "{}", r.status);
+    let Couch { direct, agent, .. } = &couch(&couchdb_with_delete()).await;
     let rev = || async {
         let doc = direct.send(Method::GET, "/db/d", None, &[]).await.expect("read").json;
         doc["_rev"].as_str().expect("a _rev").to_owned()
@@ -392,4 +404,115 @@ async fn couchdb_a_session_delete_at_an_old_rev_is_refused_and_at_the_latest_del
     assert_eq!(r.status, 201, "{:?}", r.json);
     let doc = direct.send(Method::GET, "/db/d", None, &[]).await.expect("read").json;
     assert_eq!(message_ids(&doc), ["next-life"], "{doc}");
+}
+
+/// CouchDB reads a path as it is sent: `/db/d/` and `/db//d` do not name the document `d`
+/// (it answers 400 and 404 and keeps `d`). A delete so spelled is passed through as such,
+/// never made the delete of `d`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn couchdb_another_spelling_of_a_document_path_is_not_its_delete() {
+    let Couch { direct, agent, .. } = &couch(&couchdb_with_delete()).await;
+    let doc = json!({"_id": "d", "turn": 1, "messages": [{"id": "one"}]});
+    let r = agent.send(Method::PUT, "/db/d", Some(&doc), &[]).await.expect("write");
+    assert_eq!(r.status, 201, "{:?}", r.json);
+    let stored = direct.send(Method::GET, "/db/d", None, &[]).await.expect("read").json;
+    let rev = stored["_rev"].as_str().expect("a _rev").to_owned();
+
+    for path in ["/db/d/", "/db//d"] {
+        let url = format!("{path}?rev={rev}");
+        let through = agent.send(Method::DELETE, &url, None, &[]).await.expect("delete");
+        let kept = direct.send(Method::GET, "/db/d", None, &[]).await.expect("read");
+        assert_eq!(
+            kept.status, 200,
+            "DELETE {url} deleted the document d: {:?}",
+            through.json
+        );
+        assert_eq!(message_ids(&kept.json), ["one"], "{}", kept.json);
+        let own = direct.send(Method::DELETE, &url, None, &[]).await.expect("delete");
+        assert_eq!(
+            (through.status, &through.json),
+            (own.status, &own.json),
+            "DELETE {url}: the store's own answer"
+        );
+    }
+}
+
+/// CouchDB answers 404 to a delete naming a revision it does not have, the document still
+/// there: a serialize route's turn mark stays, and an older turn is still refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn couchdb_a_delete_refused_with_404_leaves_older_turns_refused() {
+    let Couch { direct, agent, .. } = &couch(
+        "[store]\ndialect = \"couchdb\"\n\
+         [[route]]\nmethod = \"PUT\"\npath = \"/{db}/{session}\"\nmode = \"serialize\"\nturn = { header = \"X-Turn\" }\n\
+         [[route]]\nmethod = \"DELETE\"\npath = \"/{db}/{session}\"\nmode = \"merge\"\nkind = \"delete\"\n",
+    ).await;
+    let turn = |t: u64| [("x-turn", t.to_string())];
+    let r = agent
+        .send(Method::PUT, "/db/d", Some(&json!({"turn": 5})), &turn(5))
+        .await
+        .expect("write");
+    assert_eq!(r.status, 201, "{:?}", r.json);
+    let r = agent
+        .send(Method::DELETE, "/db/d?rev=9-doesnotexist", None, &[])
+        .await
+        .expect("delete");
+    assert_eq!(r.status, 404, "pouchdb's answer to an unknown rev: {:?}", r.json);
+    let r = direct.send(Method::GET, "/db/d", None, &[]).await.expect("read");
+    assert_eq!(r.status, 200, "the document is still there");
+    let rev = r.json["_rev"].as_str().expect("a _rev").to_owned();
+    let stale = json!({"_rev": rev, "turn": 2});
+    let r = agent
+        .send(Method::PUT, "/db/d", Some(&stale), &turn(2))
+        .await
+        .expect("write");
+    assert_eq!(r.status, 409, "turn 2 after turn 5: {:?}", r.json);
+    let r = direct.send(Method::GET, "/db/d", None, &[]).await.expect("read");
+    assert_eq!(r.json["turn"], json!(5), "{:?}", r.json);
+
+    // Deleted for real: the next life starts at any turn.
+    let r = agent
+        .send(Method::DELETE, &format!("/db/d?rev={rev}"), None, &[])
+        .await
+        .expect("delete");
+    assert_eq!(r.status, 200, "{:?}", r.json);
+    let r = agent
+        .send(Method::PUT, "/db/d", Some(&json!({"turn": 1})), &turn(1))
+        .await
+        .expect("write");
+    assert_eq!(r.status, 201, "the next life: {:?}", r.json);
+}
+
+/// A merged write's answer names the document as CouchDB does: its id decoded from the path.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn couchdb_a_merged_write_answers_with_the_documents_own_id() {
+    let Couch { direct, agent, .. } = &couch(COUCHDB_ROUTES).await;
+    let doc = json!({"turn": 1, "messages": [{"id": "one"}]});
+    let r = agent
+        .send(Method::PUT, "/db/a%20b%C3%A9", Some(&doc), &[])
+        .await
+        .expect("write");
+    assert_eq!(r.status, 201, "{:?}", r.json);
+    let stored = direct
+        .send(Method::GET, "/db/a%20b%C3%A9", None, &[])
+        .await
+        .expect("read")
+        .json;
+    assert_eq!(stored["_id"], json!("a bé"), "{stored}");
+    assert_eq!(r.json["id"], stored["_id"], "{:?}", r.json);
+    assert_eq!(r.json["rev"], stored["_rev"], "{:?}", r.json);
+}
+
+/// S3 keys are literal: `sessions//k.json`, `sessions/k.json/` and `sessions/./k.json` are
+/// other objects than `sessions/k.json`, written as sent (never merged into the session's).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s3_keys_that_differ_from_a_sessions_by_a_segment_are_other_objects() {
+    let r = s3_case("spellings").await;
+    assert_eq!(r["session"]["ok"], true, "{r}");
+    for name in ["double", "trailing", "dot"] {
+        assert_eq!(r[name]["ok"], true, "{name}: {r}");
+        assert_eq!(r[format!("{name}_stored")], json!({"other": name}), "{name}: {r}");
+    }
+    let session = &r["session_stored"];
+    assert_eq!(message_ids(session), ["keep"], "the session's object: {r}");
+    assert!(session.get("other").is_none(), "the session's object: {r}");
 }

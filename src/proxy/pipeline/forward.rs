@@ -144,7 +144,8 @@ pub(super) async fn serialize_one(
 /// Deletes of one document, each forwarded under the document's commit slot: a write ordered
 /// before a delete is deleted with the document; a write ordered after it starts the
 /// document's next life (`201`, holding only what was written since). The store's answer is
-/// passed through; on `2xx` or `404` the document's turn mark goes with it.
+/// passed through; on `2xx`, or `404` with the document absent when read back, the
+/// document's turn mark goes with it.
 pub(super) async fn delete_batch(
     s: &Shared,
     queue: &Queue<DeleteWrite>,
@@ -194,7 +195,7 @@ pub(super) async fn delete_one(
         Ok(req) => req,
         Err(answer) => return (answer, Some(Settled::Unchanged)),
     };
-    let first = match send_delete(s, conn, req).await {
+    let first = match send_delete(s, lease, conn, req, path, &p.write).await {
         Ok(answered) => return answered,
         // The store's answer had begun (its body failed): it had the delete.
         Err(Failed { error, begun: true }) => {
@@ -218,7 +219,7 @@ pub(super) async fn delete_one(
     };
     tracing::info!(error = %first, "session delete failed before any answer; sent once more");
     s.metrics.upstream_retry();
-    match send_delete(s, conn, req).await {
+    match send_delete(s, lease, conn, req, path, &p.write).await {
         // The store's answer, when it tells what became of the delete: the first copy was not
         // sent, or the document is gone now (deleted by either copy). Known then, unless the
         // first copy may still land. Another answer (a 503) says nothing of the first copy.
@@ -271,10 +272,32 @@ struct Failed {
 }
 
 /// Sends a delete: the store's answer with what it did, or why none came.
-async fn send_delete(s: &Shared, conn: Reserved, req: Request<Body>) -> Result<(Answer, Option<Settled>), Failed> {
+///
+/// A `404` says the document is gone only when a read says so too: a store may answer it to
+/// a delete that named something the document no longer is (CouchDB, to a revision it does
+/// not have), the document still there and its turn mark still due. Read under this grant:
+/// nothing writes the document meanwhile. A read that fails keeps the mark (an older turn
+/// refused, rather than let through).
+async fn send_delete(
+    s: &Shared,
+    lease: &Lease,
+    conn: Reserved,
+    req: Request<Body>,
+    path: &str,
+    write: &DeleteWrite,
+) -> Result<(Answer, Option<Settled>), Failed> {
     let answer = store_answer(s, "delete", conn, req).await?;
-    let settled = if answer.status.is_success() || answer.status == StatusCode::NOT_FOUND {
+    let settled = if answer.status.is_success() {
         Settled::Deleted
+    } else if answer.status == StatusCode::NOT_FOUND && lease.check() {
+        match s.upstream.get_document_raw_with(path, &write.store).await {
+            Ok(read) if read.body.is_none() => Settled::Deleted,
+            Ok(_) => Settled::Unchanged,
+            Err(error) => {
+                tracing::warn!(%error, path, "a delete answered 404: the document could not be read back; its turn mark stays");
+                Settled::Unchanged
+            }
+        }
     } else {
         Settled::Unchanged
     };

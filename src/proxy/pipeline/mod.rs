@@ -240,9 +240,10 @@ impl Pipeline {
                 document,
                 query,
                 headers,
+                store,
             } => {
-                self.enqueue_as::<DeleteCommit>(head, document, DeleteWrite { query, headers })
-                    .await
+                let write = DeleteWrite { query, headers, store };
+                self.enqueue_as::<DeleteCommit>(head, document, write).await
             }
             // The resource is named by the route's path, whatever spelling the client sent.
             Action::Serialize {
@@ -378,6 +379,9 @@ pub(super) struct DeleteWrite {
     pub(super) query: Option<String>,
     /// The client's headers (credentials, preconditions).
     pub(super) headers: http::HeaderMap,
+    /// How the document is read back when the store answers 404, which does not always
+    /// mean it is gone (CouchDB's answer to a revision it does not have).
+    pub(super) store: crate::upstream::StoreParts,
 }
 
 /// A serialized write, as the client sent it.

@@ -58,6 +58,8 @@ pub enum Action {
         document: String,
         query: Option<String>,
         headers: HeaderMap,
+        /// How the document is read back, when the store answers 404 (see [`StoreParts`]).
+        store: StoreParts,
     },
     /// Forward this request unchanged, under the lock.
     Serialize {
@@ -166,6 +168,7 @@ pub async fn parse(
                 document: document.render_with(captures),
                 query: parts.uri.query().map(str::to_owned),
                 headers: parts.headers.clone(),
+                store: StoreParts::of(route.dialect, &parts.headers),
             },
             idempotency: None,
             wait,

@@ -7,6 +7,8 @@ usage: s3_edges.py CASE PROXY STORE BUCKET
   if_none_match   IfNoneMatch="*" through the sidecar, on an existing and a new object
   subresources    tagging, ACL, copy_object and a multipart upload through the sidecar
   errors          a missing bucket; a stored object that is not JSON
+  spellings       keys that differ from a session's only by an empty segment or a trailing
+                  slash: other objects
 Prints one JSON line: what each step returned or raised, and what the store holds.
 """
 import json
@@ -131,6 +133,14 @@ elif case == "subresources":
     out["during_upload"] = stored(k)
     out["complete"] = call(p, "complete_multipart_upload", Bucket=bucket, Key=k, UploadId=uid, MultipartUpload={"Parts": [{"ETag": out["part"]["etag"], "PartNumber": 1}]})
     out["after_upload"] = stored(k)
+
+elif case == "spellings":
+    k = "sessions/k.json"
+    out["session"] = call(p, "put_object", Bucket=bucket, Key=k, Body=body({"turn": 1, "messages": [{"id": "keep"}]}))
+    for name, other in [("double", "sessions//k.json"), ("trailing", "sessions/k.json/"), ("dot", "sessions/./k.json")]:
+        out[name] = call(p, "put_object", Bucket=bucket, Key=other, Body=body({"other": name}))
+        out[name + "_stored"] = stored(other)
+    out["session_stored"] = stored(k)
 
 elif case == "errors":
     out["no_bucket_direct"] = call(d, "put_object", Bucket=bucket + "-missing", Key="sessions/x.json", Body=body({"messages": []}))
