@@ -46,6 +46,7 @@ mod template;
 
 pub use self::dialect::{AnswerForm, Dialect, DialectName, VersionAt};
 pub use self::file::Signing;
+pub use self::normalize::canonical_name;
 pub use self::template::Template;
 
 use http::Method;
@@ -134,7 +135,7 @@ impl Captures {
         for (name, value) in params {
             h.update(name.as_bytes());
             h.update([0]);
-            h.update(value.as_bytes());
+            h.update(canonical_name(value).as_bytes());
             h.update([0]);
         }
         let digest: String = h.finalize()[..6].iter().map(|b| format!("{b:02x}")).collect();

@@ -73,6 +73,22 @@ pub fn literal_reading(path: &str, slash_separates: bool) -> Vec<String> {
     }
 }
 
+/// One spelling for every spelling of a name or path that stores read alike: each escape of
+/// a character a path may carry as it is (unreserved, sub-delims, `:` and `@`: `%2A` is `*`,
+/// `%41` is `A`) decoded, every other escape (`%2F`, `%20`, `%25`, …) kept with upper-case
+/// hex. Stores decode their paths (S3, CouchDB, Express and most routers read `a%2A` and
+/// `a*` as one name): the keys of a session and of its documents are made from this, so two
+/// spellings of one document share its lock, commit slot and turn mark. What is sent to the
+/// store keeps the request's own spelling.
+pub fn canonical_name(name: &str) -> std::borrow::Cow<'_, str> {
+    if !name.contains('%') {
+        return std::borrow::Cow::Borrowed(name);
+    }
+    std::borrow::Cow::Owned(decode_where(name, |c| {
+        c.is_ascii_alphanumeric() || b"-._~!$&'()*+,;=:@".contains(&c)
+    }))
+}
+
 /// Percent-decodes the unreserved characters (`A-Z a-z 0-9 - . _ ~`) of one segment; every
 /// other escape stays encoded, with upper-case hex; a `%` not followed by two hex digits is
 /// kept as it is.
@@ -80,6 +96,14 @@ pub fn decode_unreserved(seg: &str) -> String {
     if !seg.contains('%') {
         return seg.to_owned();
     }
+    decode_where(seg, |c| {
+        c.is_ascii_alphanumeric() || matches!(c, b'-' | b'.' | b'_' | b'~')
+    })
+}
+
+/// Percent-decodes the escapes of the characters `decoded` takes; every other escape stays,
+/// with upper-case hex; a `%` not followed by two hex digits is kept as it is.
+fn decode_where(seg: &str, decoded: impl Fn(u8) -> bool) -> String {
     let bytes = seg.as_bytes();
     let mut out = String::with_capacity(seg.len());
     let mut i = 0;
@@ -87,7 +111,7 @@ pub fn decode_unreserved(seg: &str) -> String {
         if bytes[i] == b'%' && i + 2 < bytes.len() {
             if let (Some(h), Some(l)) = (hex(bytes[i + 1]), hex(bytes[i + 2])) {
                 let c = h * 16 + l;
-                if c.is_ascii_alphanumeric() || matches!(c, b'-' | b'.' | b'_' | b'~') {
+                if decoded(c) {
                     out.push(c as char);
                 } else {
                     out.push('%');
@@ -158,6 +182,14 @@ mod tests {
             assert_eq!(segs(p), want, "{p}");
         }
         assert_eq!(segments("/a/../b", false), vec!["a", "..", "b"]);
+    }
+
+    #[test]
+    fn names_stores_read_alike_have_one_canonical_spelling() {
+        assert_eq!(canonical_name("/db/a%2A%21%28x%29%3a%40"), "/db/a*!(x):@");
+        assert_eq!(canonical_name("/db/a*"), canonical_name("/db/a%2a"));
+        assert_eq!(canonical_name("/db/%61%2fb%20c%25"), "/db/a%2Fb%20c%25");
+        assert_eq!(canonical_name("/db/100%"), "/db/100%");
     }
 
     #[test]

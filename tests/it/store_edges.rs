@@ -516,3 +516,30 @@ async fn s3_keys_that_differ_from_a_sessions_by_a_segment_are_other_objects() {
     assert_eq!(message_ids(session), ["keep"], "the session's object: {r}");
     assert!(session.get("other").is_none(), "the session's object: {r}");
 }
+
+/// CouchDB reads `/db/a%2A` and `/db/a*` as one document: both spellings share its lock and
+/// turn mark, so an older turn is refused whichever spelling it comes in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn couchdb_two_spellings_of_one_document_share_its_turn_mark() {
+    let Couch { direct, agent, .. } = &couch(
+        "[store]\ndialect = \"couchdb\"\n\
+         [[route]]\nmethod = \"PUT\"\npath = \"/{db}/{session}\"\nmode = \"serialize\"\nturn = { header = \"X-Turn\" }\n",
+    )
+    .await;
+    let turn = |t: u64| [("x-turn", t.to_string())];
+    let r = agent
+        .send(Method::PUT, "/db/a%2A", Some(&json!({"turn": 5})), &turn(5))
+        .await
+        .expect("write");
+    assert_eq!(r.status, 201, "{:?}", r.json);
+    let stored = direct.send(Method::GET, "/db/a*", None, &[]).await.expect("read");
+    assert_eq!(stored.json["turn"], json!(5), "one document: {:?}", stored.json);
+    let rev = stored.json["_rev"].as_str().expect("a _rev").to_owned();
+    let r = agent
+        .send(Method::PUT, "/db/a*", Some(&json!({"_rev": rev, "turn": 2})), &turn(2))
+        .await
+        .expect("write");
+    assert_eq!(r.status, 409, "turn 2 after turn 5, spelled otherwise: {:?}", r.json);
+    let stored = direct.send(Method::GET, "/db/a%2a", None, &[]).await.expect("read");
+    assert_eq!(stored.json["turn"], json!(5), "{:?}", stored.json);
+}

@@ -281,7 +281,7 @@ impl Pipeline {
             .entry(queue_key.clone())
             .or_insert_with(|| {
                 Arc::new(Queue {
-                    scope: s.keys.scope(&head.session, &path),
+                    scope: s.keys.scope(&head.session, &crate::routes::canonical_name(&path)),
                     session: head.session.clone(),
                     turn: head.turn,
                     turn_given: head.turn_given,

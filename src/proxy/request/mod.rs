@@ -151,7 +151,7 @@ pub async fn parse(
     let session = if route.strict_content_type {
         SessionId::parse(&key).map_err(|e| bad("invalid_session_id", e))?
     } else {
-        SessionId::of_store_name(&key)
+        SessionId::of_store_name(&crate::routes::canonical_name(&key))
     };
     let wait = wait_deadline(&parts.headers)?;
     if let Mode::Merge {
