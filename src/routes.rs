@@ -44,7 +44,7 @@ mod file;
 mod normalize;
 mod template;
 
-pub use self::dialect::{AnswerForm, Dialect, DialectName, VersionAt};
+pub use self::dialect::{AnswerForm, Dialect, DialectName, Names, VersionAt};
 pub use self::file::Signing;
 pub use self::normalize::canonical_name;
 pub use self::template::Template;
@@ -305,7 +305,7 @@ impl Routes {
     /// The path is read every way a store could read it ([`normalize::readings`]): when any
     /// reading is a write, the request is that write; when readings are different writes, the
     /// path is refused as ambiguous. Routes of a store whose names are literal match the
-    /// path as it is sent ([`normalize::literal_reading`]), in its case.
+    /// path as it is sent ([`normalize::literal_readings`]), in its case.
     pub fn find(&self, method: &Method, path: &str) -> Result<Option<(&Route, Captures)>, AmbiguousPath> {
         let routes = || self.routes.iter().filter(|r| r.method == *method);
         if routes().next().is_none() {
@@ -313,15 +313,15 @@ impl Routes {
         }
         let mut found = None;
         // The routes of a file share its store's dialect.
-        if let Some(literal) = routes().map(|r| r.dialect).find(|d| d.literal_names) {
-            let reading = [normalize::literal_reading(path, literal.encoded_slash_separates)];
-            found = self.match_readings(method, path, &reading, Template::matches_literal, |r| {
-                r.dialect.literal_names
+        if let Some(names) = routes().map(|r| r.dialect.names).find(|n| *n != Names::Normalized) {
+            let readings = normalize::literal_readings(path, names);
+            found = self.match_readings(method, path, &readings, Template::matches_literal, |r| {
+                r.dialect.names != Names::Normalized
             })?;
         }
-        if routes().any(|r| !r.dialect.literal_names) {
+        if routes().any(|r| r.dialect.names == Names::Normalized) {
             let readings = normalize::readings(path);
-            let normalizing = |r: &Route| !r.dialect.literal_names;
+            let normalizing = |r: &Route| r.dialect.names == Names::Normalized;
             let mut normal = self.match_readings(method, path, &readings, Template::matches, normalizing)?;
             if normal.is_none() {
                 // A store whose router ignores case reads `/API/threads/…` as the route: a
@@ -577,6 +577,10 @@ mod tests {
         assert_eq!(c.session, "s-7");
         let (_, c) = routes.find(&Method::PUT, "/b1/sessions/%73-7.json").unwrap().unwrap();
         assert_eq!(c.session, "s-7");
+        // Slashes before the bucket are one (`//b1/…` is bucket b1); the bucket is one name.
+        let (_, c) = routes.find(&Method::PUT, "//b1/sessions/s-7.json").unwrap().unwrap();
+        assert_eq!((c.session.as_str(), c.params[0].1.as_str()), ("s-7", "b1"));
+        assert!(routes.find(&Method::PUT, "/b1%2Fsessions/s-7.json").unwrap().is_none());
         // Literal text may surround any placeholder.
         let layout = "[[route]]\nmethod='PUT'\npath='/{bucket}/session_{session}/agents/agent_{agent}/agent.json'\nmode='merge'\nkind='put'\nturn={body='/turn',optional=true}";
         let routes = Routes::from_toml(layout, "/v1/sessions").unwrap();
@@ -613,6 +617,23 @@ mod tests {
         assert_eq!(a, key("/b/session_s1/agents/agent_z/messages/message_9.json"));
         assert_ne!(a, key("/other/session_s1/agents/agent_a/messages/message_1.json"));
         assert_ne!(a, key("/b/session_s2/agents/agent_a/messages/message_1.json"));
+    }
+
+    /// CouchDB reads `/db//d` as the document `/d`, which `/db/%2Fd` names too.
+    #[test]
+    fn a_couchdb_id_starting_with_a_slash_is_one_document_however_spelled() {
+        let toml = "[store]\ndialect='couchdb'\n[[route]]\nmethod='PUT'\npath='/{db}/{session}'\nmode='merge'\nkind='put'\nturn={body='/turn',optional=true}";
+        let routes = Routes::from_toml(toml, "/v1/sessions").unwrap();
+        for path in ["/db//d", "/db/%2Fd", "/db/%2fd"] {
+            let (_, c) = routes
+                .find(&Method::PUT, path)
+                .unwrap()
+                .unwrap_or_else(|| panic!("{path}"));
+            assert_eq!(c.session, "%2Fd", "{path}");
+        }
+        for path in ["/db/d/", "/db/d//", "/db/a/b"] {
+            assert!(routes.find(&Method::PUT, path).unwrap().is_none(), "{path}");
+        }
     }
 
     /// A delete is ordered by the document's commit slot: its route names no turn.
@@ -666,6 +687,14 @@ mod tests {
             (
                 "[[route]]\nmethod='GET'\npath='/x/{session}'\nmode='merge'\nkind='delete'",
                 "route #1: kind = \"delete\" deletes the document: it is for method = \"DELETE\", not \"GET\"",
+            ),
+            (
+                "[[route]]\nmethod='DELETE'\npath='/x/{session}'\nmode='merge'\nkind='put'\nturn={body='/t'}",
+                "route #1: kind = \"put\" merges the request's body into the document: it is for a method that writes (POST, PUT, PATCH), not \"DELETE\"",
+            ),
+            (
+                "[[route]]\nmethod='get'\npath='/x/{session}'\nmode='merge'\nkind='append'\nturn={body='/t'}",
+                "not \"get\"",
             ),
             // A turn that would not be checked.
             (

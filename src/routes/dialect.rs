@@ -57,6 +57,22 @@ pub enum NotAWrite {
     SessionPrefix(&'static str),
 }
 
+/// How a store reads the names in a path.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Names {
+    /// As most HTTP stores and routers do: normalized, read every way one of them could
+    /// (see `normalize::readings`).
+    Normalized,
+    /// Literal (another case, an empty, dot or `;params` segment is another name): a bucket,
+    /// then a key that is one string (`%2F` a `/` in it), as S3 reads them; slashes before
+    /// the bucket are one.
+    S3Keys,
+    /// Literal: a database, then a document id (`%2F` a character of it: `a%2Fb` is the
+    /// document `a/b`, where `a/b` is an attachment of `a`), as CouchDB reads them; an empty
+    /// segment starts an id with `/` (`/db//d` is the document `/d`).
+    CouchIds,
+}
+
 /// One store protocol.
 #[derive(Debug, PartialEq, Eq)]
 pub struct Dialect {
@@ -72,13 +88,8 @@ pub struct Dialect {
     /// Request headers never carried: they describe the client's body, not the merged one.
     pub dropped_headers: &'static [&'static str],
     pub answer: AnswerForm,
-    /// Names are literal: a path spelled in another case (`Strands/…` and `strands/…` are
-    /// two objects), or with an empty, dot or `;params` segment, names another resource,
-    /// never this route's write.
-    pub literal_names: bool,
-    /// With literal names: an encoded `/` (`%2F`) is a `/` (S3: a key is one string), not a
-    /// character of its segment's name (CouchDB: `a%2Fb` is the document `a/b`).
-    pub encoded_slash_separates: bool,
+    /// How the store reads a path's names (see [`Names`]).
+    pub names: Names,
     /// Requests matching a write route that are not writes of the document.
     pub not_writes: &'static [NotAWrite],
 }
@@ -92,8 +103,7 @@ pub const HTTP: Dialect = Dialect {
     kept_headers: &[],
     dropped_headers: &[],
     answer: AnswerForm::Turnlock,
-    literal_names: false,
-    encoded_slash_separates: false,
+    names: Names::Normalized,
     not_writes: &[],
 };
 
@@ -128,8 +138,7 @@ pub const S3: Dialect = Dialect {
         "if-none-match",
     ],
     answer: AnswerForm::S3,
-    literal_names: true,
-    encoded_slash_separates: true,
+    names: Names::S3Keys,
     // Only a plain PutObject is a write: `x-id` is the operation name some SDKs add, and
     // `X-Amz-*` the signature of a presigned URL.
     not_writes: &[
@@ -146,8 +155,7 @@ pub const COUCHDB: Dialect = Dialect {
     kept_headers: &[],
     dropped_headers: &["if-match"],
     answer: AnswerForm::Couchdb,
-    literal_names: true,
-    encoded_slash_separates: false,
+    names: Names::CouchIds,
     not_writes: &[NotAWrite::SessionPrefix("_")],
 };
 
@@ -190,9 +198,13 @@ impl Dialect {
                     .map(|pair| pair.split('=').next().unwrap_or(""))
                     .filter(|name| !name.is_empty())
                     .any(|name| {
+                        // As the store reads a name: decoded (`%78-id` is `x-id`), in any case.
+                        let name = percent_encoding::percent_decode_str(name).decode_utf8_lossy();
                         !allowed.iter().any(|a| match a.strip_suffix('*') {
-                            Some(prefix) => name.starts_with(prefix),
-                            None => name == *a,
+                            Some(prefix) => name
+                                .get(..prefix.len())
+                                .is_some_and(|head| head.eq_ignore_ascii_case(prefix)),
+                            None => name.eq_ignore_ascii_case(a),
                         })
                     })
             }),
@@ -244,6 +256,10 @@ mod tests {
         assert!(!S3.not_a_write(None, &none, "s1"));
         assert!(!S3.not_a_write(Some("x-id=PutObject"), &none, "s1"));
         assert!(!S3.not_a_write(Some("X-Amz-Signature=ab&X-Amz-Date=1"), &none, "s1"));
+        // Names as S3 reads them: in any case, percent-decoded.
+        for q in ["X-ID=PutObject", "%78-id=PutObject", "x-amz-date=1", "X-AMZ-Date=1"] {
+            assert!(!S3.not_a_write(Some(q), &none, "s1"), "{q}");
+        }
         for q in ["uploadId=u1&partNumber=2", "tagging", "acl", "x-id=PutObject&retention"] {
             assert!(S3.not_a_write(Some(q), &none, "s1"), "{q}");
         }

@@ -140,6 +140,17 @@ impl Routes {
                             r.method
                         )));
                     }
+                    // A read (or a delete) would become a write of its body.
+                    let bodiless = ["GET", "HEAD", "DELETE", "OPTIONS", "TRACE", "CONNECT"];
+                    if let (Some(kind), false) = (r.kind, delete) {
+                        if bodiless.iter().any(|m| r.method.eq_ignore_ascii_case(m)) {
+                            return Err(at(format!(
+                                "kind = \"{}\" merges the request's body into the document: it is for a method that writes (POST, PUT, PATCH), not {:?}",
+                                format!("{kind:?}").to_lowercase(),
+                                r.method
+                            )));
+                        }
+                    }
                     let turn = match (&r.turn, r.kind) {
                         (Some(_), Some(Kind::Delete)) => {
                             return Err(at(

@@ -6,8 +6,10 @@
 //! `;params` from a segment. A write route must match every spelling a store could take for
 //! it, or a write would reach the store without the lock. So a path is read in each of those
 //! ways ([`readings`]); the router compares what each reading matches. Stores whose names are
-//! literal (S3 keys, CouchDB ids) read a path as it is sent ([`literal_reading`]): for them
+//! literal (S3 keys, CouchDB ids) read a path as it is sent ([`literal_readings`]): for them
 //! `a//b` or `a/./b` is another name, never the route's document.
+
+use super::dialect::Names;
 
 /// The segments of a path after RFC 3986 normalization: unreserved characters
 /// percent-decoded (other escapes kept, hex upper-cased), empty segments (duplicate or
@@ -58,35 +60,85 @@ pub fn readings(path: &str) -> Vec<Vec<String>> {
     all
 }
 
-/// The reading of `path` by a store whose names are literal (S3 keys, CouchDB document ids):
-/// every segment as sent, empty and dot segments and `;params` included, with its unreserved
-/// characters decoded. An encoded `/` is a separator where `slash_separates` (an S3 key is
-/// one string: `a%2Fb` and `a/b` are one key), else part of its segment (a CouchDB id
-/// holding a `/`, where `a/b` is an attachment of `a`).
-pub fn literal_reading(path: &str, slash_separates: bool) -> Vec<String> {
-    let path = path.strip_prefix('/').unwrap_or(path);
-    let split = |path: &str| path.split('/').map(decode_unreserved).collect();
-    if slash_separates && path.to_ascii_uppercase().contains("%2F") {
-        split(&replace_ci(path, "%2F", "/"))
-    } else {
-        split(path)
+/// The readings of `path` by a store whose names are literal (see [`Names`]): every segment
+/// as sent, empty and dot segments and `;params` included, with its unreserved characters
+/// decoded; then as the store's own rules read it.
+pub fn literal_readings(path: &str, names: Names) -> Vec<Vec<String>> {
+    let split = |path: &str| -> Vec<String> { path.split('/').map(decode_unreserved).collect() };
+    match names {
+        Names::Normalized | Names::CouchIds => {
+            let segments = split(path.strip_prefix('/').unwrap_or(path));
+            let mut all = vec![segments.clone()];
+            if names == Names::CouchIds && segments.iter().rev().skip(1).any(String::is_empty) {
+                // `/db//d` is the document `/d`: an empty segment is a `/` starting the next.
+                let mut joined: Vec<String> = Vec::with_capacity(segments.len());
+                let mut slashes = String::new();
+                let last = segments.len() - 1;
+                for (i, seg) in segments.into_iter().enumerate() {
+                    if seg.is_empty() && i < last && !joined.is_empty() {
+                        slashes.push_str("%2F");
+                    } else {
+                        joined.push(std::mem::take(&mut slashes) + &seg);
+                    }
+                }
+                all.push(joined);
+            }
+            all
+        }
+        Names::S3Keys => {
+            let rest = path.trim_start_matches('/');
+            let (bucket, key) = rest.split_once('/').unwrap_or((rest, ""));
+            let mut segments = vec![decode_unreserved(bucket)];
+            if rest.contains('/') {
+                segments.extend(split(&replace_ci(key, "%2F", "/")));
+            }
+            vec![segments]
+        }
     }
 }
 
 /// One spelling for every spelling of a name or path that stores read alike: each escape of
 /// a character a path may carry as it is (unreserved, sub-delims, `:` and `@`: `%2A` is `*`,
-/// `%41` is `A`) decoded, every other escape (`%2F`, `%20`, `%25`, …) kept with upper-case
-/// hex. Stores decode their paths (S3, CouchDB, Express and most routers read `a%2A` and
-/// `a*` as one name): the keys of a session and of its documents are made from this, so two
-/// spellings of one document share its lock, commit slot and turn mark. What is sent to the
-/// store keeps the request's own spelling.
+/// `%41` is `A`) decoded, every other character escaped (`%2F`, `%20`, `%22`, `"`, `é`, …),
+/// with upper-case hex; `/` stays a separator. Stores decode their paths (S3, CouchDB,
+/// Express and most routers read `a%2A` and `a*`, `a%22` and `a"` as one name): the keys of a
+/// session and of its documents are made from this, so two spellings of one document share
+/// its lock, commit slot and turn mark. What is sent to the store keeps the request's own
+/// spelling.
 pub fn canonical_name(name: &str) -> std::borrow::Cow<'_, str> {
-    if !name.contains('%') {
+    let as_is = |c: u8| c.is_ascii_alphanumeric() || b"-._~!$&'()*+,;=:@/".contains(&c);
+    if name.bytes().all(as_is) {
         return std::borrow::Cow::Borrowed(name);
     }
-    std::borrow::Cow::Owned(decode_where(name, |c| {
-        c.is_ascii_alphanumeric() || b"-._~!$&'()*+,;=:@".contains(&c)
-    }))
+    let bytes = name.as_bytes();
+    let mut out = String::with_capacity(name.len() + 8);
+    let escape = |c: u8, out: &mut String| out.push_str(&format!("%{c:02X}"));
+    let mut i = 0;
+    while i < bytes.len() {
+        let c = bytes[i];
+        let escaped = (c == b'%')
+            .then(|| Some(hex(*bytes.get(i + 1)?)? * 16 + hex(*bytes.get(i + 2)?)?))
+            .flatten();
+        match escaped {
+            Some(d) if as_is(d) && d != b'/' => {
+                out.push(d as char);
+                i += 3;
+            }
+            Some(d) => {
+                escape(d, &mut out);
+                i += 3;
+            }
+            None if as_is(c) => {
+                out.push(c as char);
+                i += 1;
+            }
+            None => {
+                escape(c, &mut out);
+                i += 1;
+            }
+        }
+    }
+    std::borrow::Cow::Owned(out)
 }
 
 /// Percent-decodes the unreserved characters (`A-Z a-z 0-9 - . _ ~`) of one segment; every
@@ -189,18 +241,33 @@ mod tests {
         assert_eq!(canonical_name("/db/a%2A%21%28x%29%3a%40"), "/db/a*!(x):@");
         assert_eq!(canonical_name("/db/a*"), canonical_name("/db/a%2a"));
         assert_eq!(canonical_name("/db/%61%2fb%20c%25"), "/db/a%2Fb%20c%25");
-        assert_eq!(canonical_name("/db/100%"), "/db/100%");
+        assert_eq!(canonical_name("/db/100%"), "/db/100%25");
+        assert_eq!(canonical_name("/db/100%25"), "/db/100%25");
+        assert_eq!(canonical_name("/db/a\"b"), canonical_name("/db/a%22b"));
+        assert_eq!(canonical_name("/db/é[x]"), "/db/%C3%A9%5Bx%5D");
+        assert_eq!(canonical_name("/db/%c3%a9%5bx%5d"), "/db/%C3%A9%5Bx%5D");
     }
 
     #[test]
     fn literal_readings_keep_every_segment_as_sent() {
-        let r = |p: &str| literal_reading(p, true);
-        assert_eq!(r("/b/sessions//k.json"), ["b", "sessions", "", "k.json"]);
-        assert_eq!(r("/b/k.json/"), ["b", "k.json", ""]);
-        assert_eq!(r("/b/./x/../k;a=b"), ["b", ".", "x", "..", "k;a=b"]);
-        assert_eq!(r("/b/%6B\\x"), ["b", "k\\x"]);
-        assert_eq!(r("/b/a%2fb"), ["b", "a", "b"]);
-        assert_eq!(literal_reading("/b/a%2fb", false), ["b", "a%2Fb"]);
+        let s3 = |p: &str| literal_readings(p, Names::S3Keys);
+        assert_eq!(s3("/b/sessions//k.json"), [["b", "sessions", "", "k.json"]]);
+        assert_eq!(s3("/b/k.json/"), [["b", "k.json", ""]]);
+        assert_eq!(s3("/b/./x/../k;a=b"), [["b", ".", "x", "..", "k;a=b"]]);
+        assert_eq!(s3("/b/%6B\\x"), [["b", "k\\x"]]);
+        // In the key `%2F` is a `/`; slashes before the bucket are one; the bucket is one name.
+        assert_eq!(s3("/b/a%2fb"), [["b", "a", "b"]]);
+        assert_eq!(s3("///b/a"), [["b", "a"]]);
+        assert_eq!(s3("/b%2Fa/c"), [["b%2Fa", "c"]]);
+        assert_eq!(s3("/b"), [["b"]]);
+        let couch = |p: &str| literal_readings(p, Names::CouchIds);
+        assert_eq!(couch("/db/a%2fb"), [["db", "a%2Fb"]]);
+        assert_eq!(couch("/db/d/"), [["db", "d", ""]]);
+        assert_eq!(couch("/db//d"), vec![vec!["db", "", "d"], vec!["db", "%2Fd"]]);
+        assert_eq!(
+            couch("/db///d/"),
+            vec![vec!["db", "", "", "d", ""], vec!["db", "%2F%2Fd", ""]]
+        );
     }
 
     #[test]

@@ -119,7 +119,7 @@ impl Template {
     }
 
     /// Like [`Template::matches`], for a path read as it was sent
-    /// ([`normalize::literal_reading`]): a trailing slash only where the route has one.
+    /// ([`normalize::literal_readings`]): a trailing slash only where the route has one.
     pub(super) fn matches_literal(&self, parts: &[String]) -> Option<Captures> {
         let parts = if self.trailing_slash {
             parts.split_last().filter(|(last, _)| last.is_empty())?.1

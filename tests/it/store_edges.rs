@@ -503,7 +503,8 @@ async fn couchdb_a_merged_write_answers_with_the_documents_own_id() {
 }
 
 /// S3 keys are literal: `sessions//k.json`, `sessions/k.json/` and `sessions/./k.json` are
-/// other objects than `sessions/k.json`, written as sent (never merged into the session's).
+/// other objects than `sessions/k.json`, written as sent (never merged into the session's);
+/// `//bucket/sessions/k.json` is the session's object.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s3_keys_that_differ_from_a_sessions_by_a_segment_are_other_objects() {
     let r = s3_case("spellings").await;
@@ -512,8 +513,10 @@ async fn s3_keys_that_differ_from_a_sessions_by_a_segment_are_other_objects() {
         assert_eq!(r[name]["ok"], true, "{name}: {r}");
         assert_eq!(r[format!("{name}_stored")], json!({"other": name}), "{name}: {r}");
     }
+    // `//bucket/key` is the session's object: merged into it under the lock.
+    assert_eq!(r["leading_slashes"]["status"], 200, "{r}");
     let session = &r["session_stored"];
-    assert_eq!(message_ids(session), ["keep"], "the session's object: {r}");
+    assert_eq!(message_ids(session), ["keep", "slashes"], "the session's object: {r}");
     assert!(session.get("other").is_none(), "the session's object: {r}");
 }
 
@@ -541,5 +544,31 @@ async fn couchdb_two_spellings_of_one_document_share_its_turn_mark() {
         .expect("write");
     assert_eq!(r.status, 409, "turn 2 after turn 5, spelled otherwise: {:?}", r.json);
     let stored = direct.send(Method::GET, "/db/a%2a", None, &[]).await.expect("read");
+    assert_eq!(stored.json["turn"], json!(5), "{:?}", stored.json);
+}
+
+/// pouchdb-server reads `/db//d` as the document `/d`, which `/db/%2Fd` names too: one
+/// document, one turn mark.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn couchdb_an_id_starting_with_a_slash_has_one_turn_mark_however_spelled() {
+    let Couch { direct, agent, .. } = &couch(
+        "[store]\ndialect = \"couchdb\"\n\
+         [[route]]\nmethod = \"PUT\"\npath = \"/{db}/{session}\"\nmode = \"serialize\"\nturn = { header = \"X-Turn\" }\n",
+    )
+    .await;
+    let turn = |t: u64| [("x-turn", t.to_string())];
+    let r = agent
+        .send(Method::PUT, "/db/%2Fd", Some(&json!({"turn": 5})), &turn(5))
+        .await
+        .expect("write");
+    assert_eq!(r.status, 201, "{:?}", r.json);
+    let stored = direct.send(Method::GET, "/db/%2Fd", None, &[]).await.expect("read");
+    let rev = stored.json["_rev"].as_str().expect("a _rev").to_owned();
+    let r = agent
+        .send(Method::PUT, "/db//d", Some(&json!({"_rev": rev, "turn": 1})), &turn(1))
+        .await
+        .expect("write");
+    assert_eq!(r.status, 409, "turn 1 after turn 5, spelled /db//d: {:?}", r.json);
+    let stored = direct.send(Method::GET, "/db/%2Fd", None, &[]).await.expect("read");
     assert_eq!(stored.json["turn"], json!(5), "{:?}", stored.json);
 }

@@ -8,7 +8,7 @@ usage: s3_edges.py CASE PROXY STORE BUCKET
   subresources    tagging, ACL, copy_object and a multipart upload through the sidecar
   errors          a missing bucket; a stored object that is not JSON
   spellings       keys that differ from a session's only by an empty segment or a trailing
-                  slash: other objects
+                  slash: other objects; slashes before the bucket: the session's object
 Prints one JSON line: what each step returned or raised, and what the store holds.
 """
 import json
@@ -140,6 +140,16 @@ elif case == "spellings":
     for name, other in [("double", "sessions//k.json"), ("trailing", "sessions/k.json/"), ("dot", "sessions/./k.json")]:
         out[name] = call(p, "put_object", Bucket=bucket, Key=other, Body=body({"other": name}))
         out[name + "_stored"] = stored(other)
+    # `//bucket/key` (no SDK sends it; S3 reads it as bucket/key), sent byte for byte.
+    import http.client
+    import urllib.parse
+    u = urllib.parse.urlparse(proxy)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=10)
+    auth = "AWS4-HMAC-SHA256 Credential=testing/20260101/us-east-1/s3/aws4_request, SignedHeaders=host, Signature=00"
+    conn.request("PUT", f"//{bucket}/{k}", body=body({"turn": 1, "messages": [{"id": "slashes"}]}),
+                 headers={"Authorization": auth, "Content-Type": "application/json"})
+    r = conn.getresponse()
+    out["leading_slashes"] = {"status": r.status, "body": r.read().decode(errors="replace")}
     out["session_stored"] = stored(k)
 
 elif case == "errors":
