@@ -86,6 +86,7 @@ pub const ERROR_CODES: &[&str] = &[
     "malformed_request",
     "method_not_allowed",
     "method_not_supported",
+    "method_override",
     "missing_turn",
     "not_found",
     "precondition_required",

@@ -318,6 +318,14 @@ impl Routes {
             found = self.match_readings(method, path, &readings, Template::matches_literal, |r| {
                 r.dialect.names != Names::Normalized
             })?;
+            // CouchDB servers disagree on what an empty segment names (see
+            // `normalize::literal_readings`): a path holding one that one of them reads as a
+            // write is refused, rather than written to a document another would not name.
+            if let (Names::CouchIds, Some((i, _))) = (names, &found) {
+                if path.trim_start_matches('/').split('/').any(str::is_empty) || path.starts_with("//") {
+                    return Err(self.ambiguous(path, *i));
+                }
+            }
         }
         if routes().any(|r| r.dialect.names == Names::Normalized) {
             let readings = normalize::readings(path);
@@ -619,21 +627,25 @@ mod tests {
         assert_ne!(a, key("/b/session_s2/agents/agent_a/messages/message_1.json"));
     }
 
-    /// CouchDB reads `/db//d` as the document `/d`, which `/db/%2Fd` names too.
+    /// Apache CouchDB reads `/db//d`, `/db/d/` and `//db/d` as the document `d`;
+    /// pouchdb-server reads `/db//d` as `/d` (which `/db/%2Fd` names) and `/db/d/` as an
+    /// attachment of `d`: such a path is refused as ambiguous, never written unlocked.
     #[test]
-    fn a_couchdb_id_starting_with_a_slash_is_one_document_however_spelled() {
+    fn a_couchdb_path_with_an_empty_segment_is_ambiguous() {
         let toml = "[store]\ndialect='couchdb'\n[[route]]\nmethod='PUT'\npath='/{db}/{session}'\nmode='merge'\nkind='put'\nturn={body='/turn',optional=true}";
         let routes = Routes::from_toml(toml, "/v1/sessions").unwrap();
-        for path in ["/db//d", "/db/%2Fd", "/db/%2fd"] {
+        for path in ["/db//d", "/db/d/", "//db/d", "/db/d//", "/db///d/"] {
+            let refused = routes.find(&Method::PUT, path).expect_err(path);
+            assert_eq!(refused.dialect, &dialect::COUCHDB, "{path}");
+        }
+        for path in ["/db/%2Fd", "/db/%2fd"] {
             let (_, c) = routes
                 .find(&Method::PUT, path)
                 .unwrap()
                 .unwrap_or_else(|| panic!("{path}"));
             assert_eq!(c.session, "%2Fd", "{path}");
         }
-        for path in ["/db/d/", "/db/d//", "/db/a/b"] {
-            assert!(routes.find(&Method::PUT, path).unwrap().is_none(), "{path}");
-        }
+        assert!(routes.find(&Method::PUT, "/db/a/b").unwrap().is_none());
     }
 
     /// A delete is ordered by the document's commit slot: its route names no turn.

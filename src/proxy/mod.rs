@@ -99,6 +99,11 @@ impl Proxy {
             res.extensions_mut().insert(RouteName("invalid"));
             return res;
         }
+        if let Some((dialect, refused)) = write_by_override(&inner.routes, &req) {
+            let mut res = dialect::refusal(dialect, refused.into());
+            res.extensions_mut().insert(RouteName("invalid"));
+            return res;
+        }
         // The route's captures are owned: the path is not copied to find them.
         let found = inner.routes.find(req.method(), req.uri().path());
         let (route_name, mut res) = match found {
@@ -482,4 +487,46 @@ fn forwarded_ip(ip: std::net::IpAddr) -> HeaderValue {
             }
         }
     })
+}
+
+/// Headers with which a client sends one method for another (CouchDB, and many frameworks,
+/// obey them on a `POST`).
+const METHOD_OVERRIDES: [&str; 3] = ["x-http-method-override", "x-http-method", "x-method-override"];
+
+/// A request whose method override would make it a write route's request (a `POST` a store
+/// serves as the `PUT` of a session's document): refused, as the store would take it past
+/// the lock. The agent sends the method itself.
+/// Answered in the dialect of the route it would be.
+fn write_by_override(
+    routes: &crate::routes::Routes,
+    req: &Request<Body>,
+) -> Option<(&'static crate::routes::Dialect, EdgeError)> {
+    for name in METHOD_OVERRIDES {
+        let Some(value) = req.headers().get(name) else { continue };
+        let method = std::str::from_utf8(value.as_bytes())
+            .ok()
+            .and_then(|v| http::Method::from_bytes(v.trim().to_ascii_uppercase().as_bytes()).ok());
+        let write = match &method {
+            Some(m) if m == req.method() => None,
+            Some(m) => match routes.find(m, req.uri().path()) {
+                Ok(None) => None,
+                Ok(Some((route, _))) => Some(route.dialect),
+                Err(ambiguous) => Some(ambiguous.dialect),
+            },
+            None => None,
+        };
+        if let Some(dialect) = write {
+            return Some((
+                dialect,
+                EdgeError::Invalid {
+                    code: "method_override",
+                    message: format!(
+                        "{name} would make this {} a write on the session: send the method itself",
+                        req.method()
+                    ),
+                },
+            ));
+        }
+    }
+    None
 }

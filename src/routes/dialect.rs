@@ -47,9 +47,11 @@ pub enum AnswerForm {
 /// it passes through to the store untouched, as any request no route names.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum NotAWrite {
-    /// A query parameter other than these (names, or prefixes ending in `*`): a subresource
-    /// (S3's `?uploadId=…&partNumber=…`, `?tagging`, `?acl`, …).
-    QueryExcept(&'static [&'static str]),
+    /// One of these query parameters: a subresource (S3's `?uploadId=…&partNumber=…`,
+    /// `?tagging`, `?acl`, …). Any other parameter leaves the request a write, as the store
+    /// ignores it (S3 stores `PUT …?cb=1` as it stores `PUT …`): a subresource missing here
+    /// is then refused as a write, never let past the lock.
+    Query(&'static [&'static str]),
     /// This request header (S3's `x-amz-copy-source`: a copy made by the store itself).
     Header(&'static str),
     /// A session placeholder starting with this (CouchDB's `_security`, `_design`, `_local`,
@@ -139,10 +141,23 @@ pub const S3: Dialect = Dialect {
     ],
     answer: AnswerForm::S3,
     names: Names::S3Keys,
-    // Only a plain PutObject is a write: `x-id` is the operation name some SDKs add, and
-    // `X-Amz-*` the signature of a presigned URL.
+    // The object's subresources, and the versions of it, are not writes of the document.
     not_writes: &[
-        NotAWrite::QueryExcept(&["x-id", "X-Amz-*"]),
+        NotAWrite::Query(&[
+            "uploadId",
+            "uploads",
+            "partNumber",
+            "tagging",
+            "acl",
+            "retention",
+            "legal-hold",
+            "torrent",
+            "restore",
+            "select",
+            "attributes",
+            "versionId",
+            "renameObject",
+        ]),
         NotAWrite::Header("x-amz-copy-source"),
     ],
 };
@@ -193,19 +208,13 @@ impl Dialect {
     /// dialect (see [`NotAWrite`]): it is then forwarded untouched.
     pub fn not_a_write(&self, query: Option<&str>, headers: &http::HeaderMap, session: &str) -> bool {
         self.not_writes.iter().any(|n| match n {
-            NotAWrite::QueryExcept(allowed) => query.is_some_and(|q| {
+            NotAWrite::Query(subresources) => query.is_some_and(|q| {
                 q.split('&')
                     .map(|pair| pair.split('=').next().unwrap_or(""))
-                    .filter(|name| !name.is_empty())
+                    // As the store reads a name: decoded (`%74agging` is `tagging`).
                     .any(|name| {
-                        // As the store reads a name: decoded (`%78-id` is `x-id`), in any case.
                         let name = percent_encoding::percent_decode_str(name).decode_utf8_lossy();
-                        !allowed.iter().any(|a| match a.strip_suffix('*') {
-                            Some(prefix) => name
-                                .get(..prefix.len())
-                                .is_some_and(|head| head.eq_ignore_ascii_case(prefix)),
-                            None => name.eq_ignore_ascii_case(a),
-                        })
+                        subresources.contains(&name.as_ref())
                     })
             }),
             NotAWrite::Header(name) => headers.contains_key(*name),
@@ -256,11 +265,24 @@ mod tests {
         assert!(!S3.not_a_write(None, &none, "s1"));
         assert!(!S3.not_a_write(Some("x-id=PutObject"), &none, "s1"));
         assert!(!S3.not_a_write(Some("X-Amz-Signature=ab&X-Amz-Date=1"), &none, "s1"));
-        // Names as S3 reads them: in any case, percent-decoded.
-        for q in ["X-ID=PutObject", "%78-id=PutObject", "x-amz-date=1", "X-AMZ-Date=1"] {
+        // A parameter S3 ignores leaves a PutObject a write.
+        for q in [
+            "X-ID=PutObject",
+            "x-amz-date=1",
+            "cb=1",
+            "foo",
+            "&",
+            "x-id=PutObject&foo=1",
+        ] {
             assert!(!S3.not_a_write(Some(q), &none, "s1"), "{q}");
         }
-        for q in ["uploadId=u1&partNumber=2", "tagging", "acl", "x-id=PutObject&retention"] {
+        for q in [
+            "uploadId=u1&partNumber=2",
+            "tagging",
+            "acl",
+            "x-id=PutObject&retention",
+            "%74agging",
+        ] {
             assert!(S3.not_a_write(Some(q), &none, "s1"), "{q}");
         }
         let mut copy = http::HeaderMap::new();

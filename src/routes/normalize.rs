@@ -69,8 +69,12 @@ pub fn literal_readings(path: &str, names: Names) -> Vec<Vec<String>> {
         Names::Normalized | Names::CouchIds => {
             let segments = split(path.strip_prefix('/').unwrap_or(path));
             let mut all = vec![segments.clone()];
-            if names == Names::CouchIds && segments.iter().rev().skip(1).any(String::is_empty) {
-                // `/db//d` is the document `/d`: an empty segment is a `/` starting the next.
+            if names == Names::CouchIds && segments.iter().any(String::is_empty) {
+                // Apache CouchDB drops empty segments (`/db//d`, `/db/d/` and `//db/d` are
+                // the document `d`)...
+                all.push(segments.iter().filter(|s| !s.is_empty()).cloned().collect());
+                // ...where pouchdb-server reads `/db//d` as the document `/d`: an empty
+                // segment a `/` starting the next.
                 let mut joined: Vec<String> = Vec::with_capacity(segments.len());
                 let mut slashes = String::new();
                 let last = segments.len() - 1;
@@ -81,7 +85,9 @@ pub fn literal_readings(path: &str, names: Names) -> Vec<Vec<String>> {
                         joined.push(std::mem::take(&mut slashes) + &seg);
                     }
                 }
-                all.push(joined);
+                if !all.contains(&joined) {
+                    all.push(joined);
+                }
             }
             all
         }
@@ -262,11 +268,15 @@ mod tests {
         assert_eq!(s3("/b"), [["b"]]);
         let couch = |p: &str| literal_readings(p, Names::CouchIds);
         assert_eq!(couch("/db/a%2fb"), [["db", "a%2Fb"]]);
-        assert_eq!(couch("/db/d/"), [["db", "d", ""]]);
-        assert_eq!(couch("/db//d"), vec![vec!["db", "", "d"], vec!["db", "%2Fd"]]);
+        // Apache CouchDB drops empty segments; pouchdb-server joins them into the next id.
+        assert_eq!(couch("/db/d/"), vec![vec!["db", "d", ""], vec!["db", "d"]]);
+        assert_eq!(
+            couch("/db//d"),
+            vec![vec!["db", "", "d"], vec!["db", "d"], vec!["db", "%2Fd"]]
+        );
         assert_eq!(
             couch("/db///d/"),
-            vec![vec!["db", "", "", "d", ""], vec!["db", "%2F%2Fd", ""]]
+            vec![vec!["db", "", "", "d", ""], vec!["db", "d"], vec!["db", "%2F%2Fd", ""]]
         );
     }
 

@@ -406,11 +406,12 @@ async fn couchdb_a_session_delete_at_an_old_rev_is_refused_and_at_the_latest_del
     assert_eq!(message_ids(&doc), ["next-life"], "{doc}");
 }
 
-/// CouchDB reads a path as it is sent: `/db/d/` and `/db//d` do not name the document `d`
-/// (it answers 400 and 404 and keeps `d`). A delete so spelled is passed through as such,
-/// never made the delete of `d`.
+/// CouchDB servers disagree on a path with an empty segment: Apache CouchDB reads `/db/d/`,
+/// `/db//d` and `//db/d` as the document `d`, pouchdb-server as an attachment of `d` or the
+/// document `/d`. A write or delete so spelled is refused (400 `ambiguous_path`, in CouchDB's
+/// form), never forwarded unlocked nor made the delete of `d`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn couchdb_another_spelling_of_a_document_path_is_not_its_delete() {
+async fn couchdb_a_path_with_an_empty_segment_is_refused() {
     let Couch { direct, agent, .. } = &couch(&couchdb_with_delete()).await;
     let doc = json!({"_id": "d", "turn": 1, "messages": [{"id": "one"}]});
     let r = agent.send(Method::PUT, "/db/d", Some(&doc), &[]).await.expect("write");
@@ -418,22 +419,22 @@ async fn couchdb_another_spelling_of_a_document_path_is_not_its_delete() {
     let stored = direct.send(Method::GET, "/db/d", None, &[]).await.expect("read").json;
     let rev = stored["_rev"].as_str().expect("a _rev").to_owned();
 
-    for path in ["/db/d/", "/db//d"] {
+    for path in ["/db/d/", "/db//d", "//db/d"] {
         let url = format!("{path}?rev={rev}");
         let through = agent.send(Method::DELETE, &url, None, &[]).await.expect("delete");
-        let kept = direct.send(Method::GET, "/db/d", None, &[]).await.expect("read");
+        assert_eq!(through.status, 400, "DELETE {url}: {:?}", through.json);
         assert_eq!(
-            kept.status, 200,
-            "DELETE {url} deleted the document d: {:?}",
+            through.json["turnlock_error"],
+            json!("ambiguous_path"),
+            "{:?}",
             through.json
         );
-        assert_eq!(message_ids(&kept.json), ["one"], "{}", kept.json);
-        let own = direct.send(Method::DELETE, &url, None, &[]).await.expect("delete");
-        assert_eq!(
-            (through.status, &through.json),
-            (own.status, &own.json),
-            "DELETE {url}: the store's own answer"
-        );
+        let other = json!({"_rev": rev, "turn": 1, "messages": [{"id": "other"}]});
+        let through = agent.send(Method::PUT, path, Some(&other), &[]).await.expect("write");
+        assert_eq!(through.status, 400, "PUT {path}: {:?}", through.json);
+        let kept = direct.send(Method::GET, "/db/d", None, &[]).await.expect("read");
+        assert_eq!(kept.status, 200, "{path}: {:?}", kept.json);
+        assert_eq!(message_ids(&kept.json), ["one"], "{path}: {}", kept.json);
     }
 }
 
@@ -504,7 +505,8 @@ async fn couchdb_a_merged_write_answers_with_the_documents_own_id() {
 
 /// S3 keys are literal: `sessions//k.json`, `sessions/k.json/` and `sessions/./k.json` are
 /// other objects than `sessions/k.json`, written as sent (never merged into the session's);
-/// `//bucket/sessions/k.json` is the session's object.
+/// `//bucket/sessions/k.json`, or the object's path with a parameter S3 ignores, is the
+/// session's object.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s3_keys_that_differ_from_a_sessions_by_a_segment_are_other_objects() {
     let r = s3_case("spellings").await;
@@ -516,7 +518,12 @@ async fn s3_keys_that_differ_from_a_sessions_by_a_segment_are_other_objects() {
     // `//bucket/key` is the session's object: merged into it under the lock.
     assert_eq!(r["leading_slashes"]["status"], 200, "{r}");
     let session = &r["session_stored"];
-    assert_eq!(message_ids(session), ["keep", "slashes"], "the session's object: {r}");
+    assert_eq!(r["ignored_query"]["status"], 200, "{r}");
+    assert_eq!(
+        message_ids(session),
+        ["keep", "slashes", "query"],
+        "the session's object: {r}"
+    );
     assert!(session.get("other").is_none(), "the session's object: {r}");
 }
 
@@ -553,9 +560,52 @@ async fn couchdb_two_spellings_of_one_document_share_its_turn_mark() {
     an_older_turn_spelled_otherwise_is_refused("/db/a%2A", "/db/a*").await;
 }
 
-/// pouchdb-server reads `/db//d` as the document `/d`, which `/db/%2Fd` names too: one
-/// document, one turn mark.
+/// `%2F` in an id, in either case, is one document.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn couchdb_an_id_starting_with_a_slash_has_one_turn_mark_however_spelled() {
-    an_older_turn_spelled_otherwise_is_refused("/db/%2Fd", "/db//d").await;
+async fn couchdb_an_id_holding_a_slash_has_one_turn_mark_however_spelled() {
+    an_older_turn_spelled_otherwise_is_refused("/db/%2Fd", "/db/%2fd").await;
+}
+
+/// CouchDB serves a `POST` with `X-HTTP-Method-Override: PUT` as the `PUT`: on a document a
+/// write route names, refused (400 `method_override`), never forwarded unlocked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_method_override_that_would_make_a_write_is_refused() {
+    let Couch { agent, .. } = &couch(COUCHDB_ROUTES).await;
+    let doc = json!({"turn": 1, "messages": [{"id": "one"}]});
+    let r = agent.send(Method::PUT, "/db/d", Some(&doc), &[]).await.expect("write");
+    assert_eq!(r.status, 201, "{:?}", r.json);
+    for header in ["X-HTTP-Method-Override", "x-http-method", "X-Method-Override"] {
+        let r = agent
+            .send(
+                Method::POST,
+                "/db/d",
+                Some(&json!({"turn": 1})),
+                &[(header, "put".into())],
+            )
+            .await
+            .expect("post");
+        assert_eq!(r.status, 400, "{header}: {:?}", r.json);
+        assert_eq!(r.json["turnlock_error"], json!("method_override"), "{:?}", r.json);
+    }
+    // An override naming the request's own method, or a path no route names, is forwarded.
+    let r = agent
+        .send(
+            Method::PUT,
+            "/db/d",
+            Some(&doc),
+            &[("x-http-method-override", "PUT".into())],
+        )
+        .await
+        .expect("write");
+    assert_eq!(r.status, 201, "{:?}", r.json);
+    let r = agent
+        .send(
+            Method::POST,
+            "/db",
+            Some(&json!({"_id": "e"})),
+            &[("x-http-method-override", "PUT".into())],
+        )
+        .await
+        .expect("post");
+    assert_ne!(r.json["turnlock_error"], json!("method_override"), "{:?}", r.json);
 }

@@ -8,7 +8,8 @@ usage: s3_edges.py CASE PROXY STORE BUCKET
   subresources    tagging, ACL, copy_object and a multipart upload through the sidecar
   errors          a missing bucket; a stored object that is not JSON
   spellings       keys that differ from a session's only by an empty segment or a trailing
-                  slash: other objects; slashes before the bucket: the session's object
+                  slash: other objects; slashes before the bucket, a parameter S3 ignores:
+                  the session's object
 Prints one JSON line: what each step returned or raised, and what the store holds.
 """
 import json
@@ -150,6 +151,11 @@ elif case == "spellings":
                  headers={"Authorization": auth, "Content-Type": "application/json"})
     r = conn.getresponse()
     out["leading_slashes"] = {"status": r.status, "body": r.read().decode(errors="replace")}
+    # A query parameter S3 ignores (a cache buster): still a PutObject of the session's object.
+    conn.request("PUT", f"/{bucket}/{k}?cb=1", body=body({"turn": 1, "messages": [{"id": "query"}]}),
+                 headers={"Authorization": auth, "Content-Type": "application/json"})
+    r = conn.getresponse()
+    out["ignored_query"] = {"status": r.status, "body": r.read().decode(errors="replace")}
     out["session_stored"] = stored(k)
 
 elif case == "errors":
