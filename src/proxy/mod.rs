@@ -39,7 +39,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
-use http::header::{self, HeaderValue};
+use http::header::{self, HeaderName, HeaderValue};
 use http::{Request, Response, StatusCode};
 use http_body_util::BodyExt;
 
@@ -443,7 +443,7 @@ fn check_framing(req: &Request<Body>, from_network: bool) -> Result<(), EdgeErro
 /// Appends the agent's address to `X-Forwarded-For`: every prior hop kept, from all the
 /// header's lines, as their bytes came (not only valid UTF-8).
 /// Named once: a header named by a string is parsed again at each use.
-const X_FORWARDED_FOR: http::HeaderName = http::HeaderName::from_static("x-forwarded-for");
+const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 
 fn append_forwarded_for(headers: &mut http::HeaderMap, peer: SocketAddr) {
     let ip = peer.ip();
@@ -491,7 +491,12 @@ fn forwarded_ip(ip: std::net::IpAddr) -> HeaderValue {
 
 /// Headers with which a client sends one method for another (CouchDB, and many frameworks,
 /// obey them on a `POST`).
-const METHOD_OVERRIDES: [&str; 3] = ["x-http-method-override", "x-http-method", "x-method-override"];
+/// Named once: a lookup by `&str` parses the name again on every request.
+static METHOD_OVERRIDES: [HeaderName; 3] = [
+    HeaderName::from_static("x-http-method-override"),
+    HeaderName::from_static("x-http-method"),
+    HeaderName::from_static("x-method-override"),
+];
 
 /// A request whose method override would make it a write route's request (a `POST` a store
 /// serves as the `PUT` of a session's document): refused, as the store would take it past
@@ -501,7 +506,7 @@ fn write_by_override(
     routes: &crate::routes::Routes,
     req: &Request<Body>,
 ) -> Option<(&'static crate::routes::Dialect, EdgeError)> {
-    for name in METHOD_OVERRIDES {
+    for name in &METHOD_OVERRIDES {
         let Some(value) = req.headers().get(name) else { continue };
         let method = std::str::from_utf8(value.as_bytes())
             .ok()
