@@ -112,7 +112,7 @@ impl Proxy {
             Ok(Some((route, captures)))
                 if !route
                     .dialect
-                    .not_a_write(req.uri().query(), req.headers(), &captures.session) =>
+                    .not_a_write(req.method(), req.uri(), req.headers(), &captures.session) =>
             {
                 // Boxed: a forwarded request's future does not carry a write's state.
                 let peer = peer.unwrap_or(SocketAddr::from(([127, 0, 0, 1], 0)));
@@ -154,8 +154,11 @@ impl Proxy {
                 }
                 let (session, turn, started) = (write.session.to_string(), write.turn, Instant::now());
                 let answer = inner.pipeline.submit(write).await;
-                log_write(route.name, &session, turn, &answer, started);
-                dialect::answer(route.dialect, &captures, answer)
+                let outcome = answer.code();
+                let res = dialect::answer(route.dialect, &captures, answer);
+                // The status the agent gets, in the route's dialect (S3's 412 for a stale turn).
+                log_write(route.name, &session, turn, res.status(), outcome, started);
+                res
             }
             Err(refusal) => dialect::refusal(route.dialect, refusal),
         }
@@ -349,15 +352,15 @@ where
 
 /// The log line of each write, at info; a failure of turnlock, Redis or the store is also
 /// warned about, at most once per [`crate::telemetry::WARN_EVERY`].
-fn log_write(route: &str, session: &str, turn: u64, answer: &answer::Answer, started: Instant) {
-    let status = answer.status.as_u16();
-    let outcome = match answer.code() {
+fn log_write(route: &str, session: &str, turn: u64, answered: StatusCode, outcome: &str, started: Instant) {
+    let status = answered.as_u16();
+    let outcome = match outcome {
         "" => "ok",
         code => code,
     };
     let took_ms = started.elapsed().as_millis() as u64;
     tracing::info!(route, session, turn, status, outcome, took_ms, "write");
-    if answer.status.is_server_error() {
+    if answered.is_server_error() {
         if let Some(suppressed) = crate::telemetry::warn_allowed("write failed") {
             tracing::warn!(route, status, outcome, suppressed, "writes failing");
         }
@@ -507,20 +510,23 @@ fn write_by_override(
     req: &Request<Body>,
 ) -> Option<(&'static crate::routes::Dialect, EdgeError)> {
     for name in &METHOD_OVERRIDES {
-        let Some(value) = req.headers().get(name) else { continue };
-        let method = std::str::from_utf8(value.as_bytes())
-            .ok()
-            .and_then(|v| http::Method::from_bytes(v.trim().to_ascii_uppercase().as_bytes()).ok());
-        let write = match &method {
-            Some(m) if m == req.method() => None,
-            Some(m) => match routes.find(m, req.uri().path()) {
-                Ok(None) => None,
-                Ok(Some((route, _))) => Some(route.dialect),
-                Err(ambiguous) => Some(ambiguous.dialect),
-            },
-            None => None,
-        };
-        if let Some(dialect) = write {
+        // Every line and every item of a list: a store or framework may read any of them
+        // (Express's method-override takes a list's first, others the last line).
+        let named = req
+            .headers()
+            .get_all(name)
+            .iter()
+            .flat_map(|value| value.as_bytes().split(|b| *b == b','))
+            .filter_map(|item| http::Method::from_bytes(item.trim_ascii().to_ascii_uppercase().as_slice()).ok());
+        for method in named {
+            if method == req.method() {
+                continue;
+            }
+            let dialect = match routes.find(&method, req.uri().path()) {
+                Ok(None) => continue,
+                Ok(Some((route, _))) => route.dialect,
+                Err(ambiguous) => ambiguous.dialect,
+            };
             return Some((
                 dialect,
                 EdgeError::Invalid {

@@ -47,16 +47,22 @@ pub enum AnswerForm {
 /// it passes through to the store untouched, as any request no route names.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum NotAWrite {
-    /// One of these query parameters: a subresource (S3's `?uploadId=…&partNumber=…`,
-    /// `?tagging`, `?acl`, …). Any other parameter leaves the request a write, as the store
-    /// ignores it (S3 stores `PUT …?cb=1` as it stores `PUT …`): a subresource missing here
-    /// is then refused as a write, never let past the lock.
-    Query(&'static [&'static str]),
+    /// A request of this method with one of these groups of query parameters: a
+    /// subresource (S3's `PUT ?uploadId=…&partNumber=…`, `?tagging`, `?acl`, …). A group is
+    /// there when each of its parameters is; one written `name=` only with a value (the
+    /// store takes `PUT ?uploadId=u` without a part number, or `?uploadId=`, for a plain
+    /// `PutObject`). Any other parameter, or a group in part, leaves the request a write
+    /// (S3 stores `PUT …?cb=1` as it stores `PUT …`): a subresource missing here is then
+    /// locked as a write, never let past the lock.
+    Query(&'static str, &'static [&'static [&'static str]]),
     /// This request header (S3's `x-amz-copy-source`: a copy made by the store itself).
     Header(&'static str),
     /// A session placeholder starting with this (CouchDB's `_security`, `_design`, `_local`,
     /// `_bulk_docs`: the database's own resources, not documents).
     SessionPrefix(&'static str),
+    /// A path whose first name starts with this, percent-decoded (CouchDB's system
+    /// databases, `_users`, `_replicator`, `_global_changes`: no session's document).
+    FirstSegmentPrefix(&'static str),
 }
 
 /// How a store reads the names in a path.
@@ -141,23 +147,22 @@ pub const S3: Dialect = Dialect {
     ],
     answer: AnswerForm::S3,
     names: Names::S3Keys,
-    // The object's subresources, and the versions of it, are not writes of the document.
+    // The object's subresources are not writes of the document: a part of a multipart
+    // upload, its tags, ACL, retention and legal hold; deleting those, aborting an upload,
+    // or deleting one version of the object. Any other `PUT` (`?versionId`, `?uploads`, an
+    // `?uploadId` without its part number) is a `PutObject` to S3 and its emulators.
     not_writes: &[
-        NotAWrite::Query(&[
-            "uploadId",
-            "uploads",
-            "partNumber",
-            "tagging",
-            "acl",
-            "retention",
-            "legal-hold",
-            "torrent",
-            "restore",
-            "select",
-            "attributes",
-            "versionId",
-            "renameObject",
-        ]),
+        NotAWrite::Query(
+            "PUT",
+            &[
+                &["uploadId=", "partNumber="],
+                &["tagging"],
+                &["acl"],
+                &["retention"],
+                &["legal-hold"],
+            ],
+        ),
+        NotAWrite::Query("DELETE", &[&["uploadId="], &["tagging"], &["versionId="]]),
         NotAWrite::Header("x-amz-copy-source"),
     ],
 };
@@ -171,8 +176,23 @@ pub const COUCHDB: Dialect = Dialect {
     dropped_headers: &["if-match"],
     answer: AnswerForm::Couchdb,
     names: Names::CouchIds,
-    not_writes: &[NotAWrite::SessionPrefix("_")],
+    not_writes: &[NotAWrite::SessionPrefix("_"), NotAWrite::FirstSegmentPrefix("_")],
 };
+
+/// Whether `query` has each parameter of `group` (one written `name=` with a value), its
+/// names read as the store reads them: decoded (`%74agging` is `tagging`).
+fn has_all(query: &str, group: &[&str]) -> bool {
+    group.iter().all(|wanted| {
+        let (name, valued) = match wanted.strip_suffix('=') {
+            Some(name) => (name, true),
+            None => (*wanted, false),
+        };
+        query.split('&').any(|pair| {
+            let (n, v) = pair.split_once('=').unwrap_or((pair, ""));
+            percent_encoding::percent_decode_str(n).decode_utf8_lossy() == name && !(valued && v.is_empty())
+        })
+    })
+}
 
 impl DialectName {
     pub fn dialect(self) -> &'static Dialect {
@@ -206,19 +226,26 @@ impl Dialect {
 
     /// Whether a request that matched a write route is not a write of the document in this
     /// dialect (see [`NotAWrite`]): it is then forwarded untouched.
-    pub fn not_a_write(&self, query: Option<&str>, headers: &http::HeaderMap, session: &str) -> bool {
+    pub fn not_a_write(
+        &self,
+        method: &http::Method,
+        uri: &http::Uri,
+        headers: &http::HeaderMap,
+        session: &str,
+    ) -> bool {
+        let query = uri.query();
         self.not_writes.iter().any(|n| match n {
-            NotAWrite::Query(subresources) => query.is_some_and(|q| {
-                q.split('&')
-                    .map(|pair| pair.split('=').next().unwrap_or(""))
-                    // As the store reads a name: decoded (`%74agging` is `tagging`).
-                    .any(|name| {
-                        let name = percent_encoding::percent_decode_str(name).decode_utf8_lossy();
-                        subresources.contains(&name.as_ref())
-                    })
-            }),
+            NotAWrite::Query(on, groups) => {
+                method.as_str() == *on && query.is_some_and(|q| groups.iter().any(|group| has_all(q, group)))
+            }
             NotAWrite::Header(name) => headers.contains_key(*name),
             NotAWrite::SessionPrefix(prefix) => session.starts_with(prefix),
+            NotAWrite::FirstSegmentPrefix(prefix) => {
+                let first = uri.path().trim_start_matches('/').split('/').next().unwrap_or("");
+                percent_encoding::percent_decode_str(first)
+                    .decode_utf8_lossy()
+                    .starts_with(prefix)
+            }
         })
     }
 
@@ -262,35 +289,72 @@ mod tests {
     #[test]
     fn only_a_plain_write_of_the_document_is_a_write() {
         let none = http::HeaderMap::new();
-        assert!(!S3.not_a_write(None, &none, "s1"));
-        assert!(!S3.not_a_write(Some("x-id=PutObject"), &none, "s1"));
-        assert!(!S3.not_a_write(Some("X-Amz-Signature=ab&X-Amz-Date=1"), &none, "s1"));
-        // A parameter S3 ignores leaves a PutObject a write.
+        let put = |d: &Dialect, target: &str, headers: &http::HeaderMap| {
+            d.not_a_write(&http::Method::PUT, &target.parse().expect("uri"), headers, "s1")
+        };
+        let delete = |d: &Dialect, target: &str| {
+            d.not_a_write(&http::Method::DELETE, &target.parse().expect("uri"), &none, "s1")
+        };
+        // A parameter S3 ignores, or a subresource a PUT does not have, leaves a PutObject
+        // a write.
         for q in [
-            "X-ID=PutObject",
-            "x-amz-date=1",
-            "cb=1",
-            "foo",
-            "&",
-            "x-id=PutObject&foo=1",
+            "",
+            "?x-id=PutObject",
+            "?X-Amz-Signature=ab&X-Amz-Date=1",
+            "?X-ID=PutObject",
+            "?cb=1",
+            "?foo",
+            "?&",
+            "?versionId=v1",
+            "?uploads",
+            "?uploadId=u1",
+            "?partNumber=1",
+            "?uploadId=&partNumber=1",
+            "?torrent",
+            "?restore",
+            "?select",
+            "?attributes",
+            "?renameObject",
         ] {
-            assert!(!S3.not_a_write(Some(q), &none, "s1"), "{q}");
+            assert!(!put(&S3, &format!("/b/k{q}"), &none), "{q}");
         }
         for q in [
-            "uploadId=u1&partNumber=2",
-            "tagging",
-            "acl",
-            "x-id=PutObject&retention",
-            "%74agging",
+            "?uploadId=u1&partNumber=2",
+            "?partNumber=2&x-id=UploadPart&uploadId=u1",
+            "?tagging",
+            "?acl",
+            "?x-id=PutObject&retention",
+            "?legal-hold",
+            "?%74agging",
         ] {
-            assert!(S3.not_a_write(Some(q), &none, "s1"), "{q}");
+            assert!(put(&S3, &format!("/b/k{q}"), &none), "{q}");
+        }
+        // Deleting a subresource, an upload or one version is not deleting the document.
+        for q in ["?uploadId=u1", "?tagging", "?versionId=v1"] {
+            assert!(delete(&S3, &format!("/b/k{q}")), "{q}");
+            assert!(!put(&S3, &format!("/b/k{q}"), &none) || q == "?tagging", "{q}");
+        }
+        for q in ["", "?uploadId=", "?versionId=", "?x-id=DeleteObject"] {
+            assert!(!delete(&S3, &format!("/b/k{q}")), "{q}");
         }
         let mut copy = http::HeaderMap::new();
         copy.insert("x-amz-copy-source", http::HeaderValue::from_static("/b/k"));
-        assert!(S3.not_a_write(None, &copy, "s1"));
-        assert!(COUCHDB.not_a_write(None, &none, "_security"));
-        assert!(!COUCHDB.not_a_write(Some("rev=1-a"), &none, "s_1"));
-        assert!(!HTTP.not_a_write(Some("tagging"), &copy, "_x"));
+        assert!(put(&S3, "/b/k", &copy));
+        let doc = |target: &str, session: &str| {
+            COUCHDB.not_a_write(&http::Method::PUT, &target.parse().expect("uri"), &none, session)
+        };
+        assert!(doc("/db/_security", "_security"));
+        assert!(!doc("/db/s_1?rev=1-a", "s_1"));
+        // A system database holds no session's document, however its name is spelled.
+        for target in [
+            "/_users/org.couchdb.user:jan",
+            "/%5Freplicator/r1",
+            "/_global_changes/x",
+        ] {
+            assert!(doc(target, "x"), "{target}");
+        }
+        assert!(!doc("/db_/x", "x"));
+        assert!(!HTTP.not_a_write(&http::Method::PUT, &"/_x?tagging".parse().expect("uri"), &copy, "_x"));
     }
 
     #[test]

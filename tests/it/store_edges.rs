@@ -527,6 +527,44 @@ async fn s3_keys_that_differ_from_a_sessions_by_a_segment_are_other_objects() {
     assert!(session.get("other").is_none(), "the session's object: {r}");
 }
 
+/// A system database (`_users`, `_replicator`) holds no session: a write of one of its
+/// documents on a route's path is forwarded untouched, not merged as a session's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn couchdb_a_system_database_document_is_forwarded_untouched() {
+    let Couch { direct, agent, .. } = &couch(COUCHDB_ROUTES).await;
+    for path in ["/_users/org.couchdb.user:jan", "/%5Fusers/org.couchdb.user:ann"] {
+        let name = path.rsplit(':').next().expect("a name");
+        let user = json!({"name": name, "type": "user", "roles": [], "password": "pw"});
+        let r = agent.send(Method::PUT, path, Some(&user), &[]).await.expect("write");
+        assert!(r.status.is_success(), "{path}: {} {:?}", r.status, r.json);
+        let stored = direct.send(Method::GET, path, None, &[]).await.expect("read");
+        assert_eq!(stored.json["name"], json!(name), "{path}: {:?}", stored.json);
+        for field in ["session", "turn", "version", "messages", "life"] {
+            assert!(stored.json.get(field).is_none(), "{path}: {field} in {:?}", stored.json);
+        }
+    }
+}
+
+/// S3 and its emulators store `PUT ?versionId=x`, `?uploads`, an `?uploadId` without its
+/// part number, … as a plain PutObject: locked as one, an older turn so sent is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s3_an_older_turn_with_a_parameter_the_store_ignores_is_refused() {
+    let r = s3_case("stale_queries").await;
+    assert_eq!(r["newer"]["ok"], true, "{r}");
+    let older: Vec<_> = r
+        .as_object()
+        .expect("an object")
+        .iter()
+        .filter(|(k, _)| k.starts_with("older?"))
+        .collect();
+    assert_eq!(older.len(), 10, "{r}");
+    for (query, answer) in older {
+        assert_eq!(answer["status"], 412, "{query}: {r}");
+    }
+    assert_eq!(r["stored"]["turn"], 2, "{r}");
+    assert_eq!(message_ids(&r["stored"]), ["newer"], "{r}");
+}
+
 /// Writes turn 5 to a document through a serialize route spelled `first`, then turn 1 (with
 /// the document's current `_rev`) spelled `second`: refused, as both name one document.
 async fn an_older_turn_spelled_otherwise_is_refused(first: &str, second: &str) {
@@ -586,6 +624,24 @@ async fn a_method_override_that_would_make_a_write_is_refused() {
             .expect("post");
         assert_eq!(r.status, 400, "{header}: {:?}", r.json);
         assert_eq!(r.json["turnlock_error"], json!("method_override"), "{:?}", r.json);
+    }
+    // A second line, or a list, is read whole: a store may obey any of its items.
+    for overrides in [
+        &[("x-http-method-override", "GET"), ("x-http-method-override", "PUT")][..],
+        &[("x-http-method-override", "PUT, GET")],
+        &[("x-method-override", "GET,put")],
+    ] {
+        let headers: Vec<_> = overrides.iter().map(|(k, v)| (*k, (*v).to_owned())).collect();
+        let r = agent
+            .send(Method::POST, "/db/d", Some(&json!({"turn": 1})), &headers)
+            .await
+            .expect("post");
+        assert_eq!(
+            r.json["turnlock_error"],
+            json!("method_override"),
+            "{overrides:?}: {:?}",
+            r.json
+        );
     }
     // An override naming the request's own method, or a path no route names, is forwarded.
     let r = agent

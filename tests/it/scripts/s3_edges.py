@@ -10,6 +10,9 @@ usage: s3_edges.py CASE PROXY STORE BUCKET
   spellings       keys that differ from a session's only by an empty segment or a trailing
                   slash: other objects; slashes before the bucket, a parameter S3 ignores:
                   the session's object
+  stale_queries   an older turn sent with parameters S3 and its emulators read as a plain
+                  PutObject (`?versionId`, `?uploads`, an `?uploadId` without a part
+                  number, ...): refused as stale, the newer turn kept
 Prints one JSON line: what each step returned or raised, and what the store holds.
 """
 import json
@@ -157,6 +160,22 @@ elif case == "spellings":
     r = conn.getresponse()
     out["ignored_query"] = {"status": r.status, "body": r.read().decode(errors="replace")}
     out["session_stored"] = stored(k)
+
+elif case == "stale_queries":
+    import http.client
+    import urllib.parse
+    k = "sessions/stale.json"
+    out["newer"] = call(p, "put_object", Bucket=bucket, Key=k, Body=body({"turn": 2, "messages": [{"id": "newer"}]}))
+    u = urllib.parse.urlparse(proxy)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=10)
+    auth = "AWS4-HMAC-SHA256 Credential=testing/20260101/us-east-1/s3/aws4_request, SignedHeaders=host, Signature=00"
+    for query in ["versionId=x", "uploads", "uploadId=x", "partNumber=1", "uploadId=&partNumber=1",
+                  "torrent", "restore", "select", "attributes", "renameObject"]:
+        conn.request("PUT", f"/{bucket}/{k}?{query}", body=body({"turn": 1, "messages": [{"id": query}]}),
+                     headers={"Authorization": auth, "Content-Type": "application/json"})
+        r = conn.getresponse()
+        out["older?" + query] = {"status": r.status, "body": r.read().decode(errors="replace")}
+    out["stored"] = stored(k)
 
 elif case == "errors":
     out["no_bucket_direct"] = call(d, "put_object", Bucket=bucket + "-missing", Key="sessions/x.json", Body=body({"messages": []}))
