@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # User-space instructions per forwarded GET, counted by callgrind: a figure that, unlike
 # throughput, does not move with the machine's load. A one-thread `turnlock proxy` (and, for
-# comparison, nginx with one worker and upstream keep-alive) in front of `turnlock store`,
-# driven by `wrk -c16` for 10 s after a 3 s warm-up; only the measured window is counted.
+# comparison, nginx with one worker and upstream keep-alive, and `examples/hyper_floor.rs`:
+# the least a proxy built on hyper does) in front of `turnlock store`, driven by `wrk -c16`
+# for 10 s after a 3 s warm-up; only the measured window is counted.
 #
 #   scripts/forward-instructions.sh [TURNLOCK_BINARY]    (default: target/release/turnlock)
 #
-# Needs valgrind, wrk, redis-server and curl (nginx optional). Uses loopback ports 22080-22102.
+# The floor is measured when target/release/examples/hyper_floor exists
+# (`cargo build --release --example hyper_floor`).
+#
+# Needs valgrind, wrk, redis-server and curl (nginx optional). Uses loopback ports 22079-22103.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin="${1:-target/release/turnlock}"
@@ -53,6 +57,12 @@ measure() {
 
 RUST_LOG=warn measure turnlock 22100 "$bin" proxy --worker-threads 1 --listen 127.0.0.1:22100 \
   --admin 127.0.0.1:22101 --upstream http://127.0.0.1:22080 --redis redis://127.0.0.1:22079
+floor=target/release/examples/hyper_floor
+if [ -x "$floor" ]; then
+  measure floor 22103 "$floor" 127.0.0.1:22103 127.0.0.1:22080
+else
+  echo "no $floor (cargo build --release --example hyper_floor): no floor figure"
+fi
 nginx=$(command -v nginx || { [ -x /usr/sbin/nginx ] && echo /usr/sbin/nginx; } || true)
 if [ -n "$nginx" ]; then
   mkdir -p "$dir/nginx"
