@@ -318,6 +318,19 @@ impl Routes {
             found = self.match_readings(method, path, &readings, Template::matches_literal, |r| {
                 r.dialect.names != Names::Normalized
             })?;
+            // A path a CouchDB-compatible server may serve as a write route's (a node's path, a
+            // database name it cleans): refused, as the lock would not be the document's.
+            if names == Names::CouchIds {
+                for alias in normalize::couch_aliases(path) {
+                    let readings = normalize::literal_readings(&alias, names);
+                    let hit = self.match_readings(method, &alias, &readings, Template::matches_literal, |r| {
+                        r.dialect.names != Names::Normalized
+                    })?;
+                    if let Some((i, _)) = hit {
+                        return Err(self.ambiguous(path, i));
+                    }
+                }
+            }
             // CouchDB servers disagree on what an empty segment names (see
             // `normalize::literal_readings`): a path holding one that one of them reads as a
             // write is refused, rather than written to a document another would not name.
@@ -646,6 +659,36 @@ mod tests {
             assert_eq!(c.session, "%2Fd", "{path}");
         }
         assert!(routes.find(&Method::PUT, "/db/a/b").unwrap().is_none());
+    }
+
+    /// pouchdb-server serves `/_node/{node}/db/d` as `/db/d`, and `/db%3A/d` (a name Apache
+    /// CouchDB refuses) as `/db/d`: refused rather than written under another lock, or none.
+    #[test]
+    fn a_couchdb_path_a_server_serves_as_a_documents_is_ambiguous() {
+        for route in ["/{db}/{session}", "/sessions/{session}"] {
+            let toml = format!("[store]\ndialect='couchdb'\n[[route]]\nmethod='PUT'\npath='{route}'\nmode='merge'\nkind='put'\nturn={{body='/turn',optional=true}}");
+            let routes = Routes::from_toml(&toml, "/v1/sessions").unwrap();
+            for path in [
+                "/_node/node1@127.0.0.1/sessions/d",
+                "/%5Fnode/_local/sessions/d",
+                "/sessions%3A/d",
+                "/sessions%2A%3F/d",
+                "/sessions./d",
+                "/sessions%20/d",
+                "/%22sessions%22/d",
+            ] {
+                let refused = routes.find(&Method::PUT, path).expect_err(path);
+                assert_eq!(refused.dialect, &dialect::COUCHDB, "{route} {path}");
+            }
+            assert!(routes.find(&Method::PUT, "/sessions/d").unwrap().is_some(), "{route}");
+            assert!(routes.find(&Method::PUT, "/_node/n1").is_ok(), "{route}");
+        }
+        let toml = "[store]\ndialect='couchdb'\n[[route]]\nmethod='PUT'\npath='/sessions/{session}'\nmode='merge'\nkind='put'\nturn={body='/turn',optional=true}";
+        let routes = Routes::from_toml(toml, "/v1/sessions").unwrap();
+        // Another database, however spelled, is not the route's.
+        for path in ["/other%3A/d", "/_node/n1/other/d", "/_users/org.couchdb.user:jan"] {
+            assert!(routes.find(&Method::PUT, path).unwrap().is_none(), "{path}");
+        }
     }
 
     /// A delete is ordered by the document's commit slot: its route names no turn.

@@ -103,6 +103,45 @@ pub fn literal_readings(path: &str, names: Names) -> Vec<Vec<String>> {
     }
 }
 
+/// Characters pouchdb-server drops from a database name (it names a file after it), all of
+/// them refused in a database name by Apache CouchDB.
+const UNFILEABLE: [char; 8] = ['?', '<', '>', '\\', ':', '*', '|', '"'];
+
+/// Escaped in a database name put back into a path: all but letters, digits and `-._~`.
+const DB_NAME: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
+    .remove(b'-')
+    .remove(b'.')
+    .remove(b'_')
+    .remove(b'~');
+
+/// Other paths a CouchDB-compatible server may serve `path` as, besides the ways
+/// [`literal_readings`] reads it: pouchdb-server serves `/_node/{node}/db/doc` as `/db/doc`
+/// (a node's own databases in Apache CouchDB), and a database name holding a character a file
+/// name cannot (`cdb%3A`: an illegal name to Apache CouchDB) as the name without it (`cdb`).
+pub fn couch_aliases(path: &str) -> Vec<String> {
+    let rest = path.trim_start_matches('/');
+    let (first, tail) = rest.split_once('/').map_or((rest, None), |(f, t)| (f, Some(t)));
+    let db = percent_encoding::percent_decode_str(first).decode_utf8_lossy();
+    let mut aliases = Vec::new();
+    if db == "_node" {
+        if let Some((_node, after)) = tail.and_then(|t| t.split_once('/')) {
+            aliases.push(format!("/{after}"));
+        }
+    }
+    if db.chars().any(|c| UNFILEABLE.contains(&c) || c.is_control()) || db.ends_with(['.', ' ']) {
+        let kept: String = db
+            .chars()
+            .filter(|c| !UNFILEABLE.contains(c) && !c.is_control())
+            .collect();
+        let kept = percent_encoding::utf8_percent_encode(kept.trim_end_matches(['.', ' ']), DB_NAME);
+        aliases.push(match tail {
+            Some(tail) => format!("/{kept}/{tail}"),
+            None => format!("/{kept}"),
+        });
+    }
+    aliases
+}
+
 /// One spelling for every spelling of a name or path that stores read alike: each escape of
 /// a character a path may carry as it is (unreserved, sub-delims, `:` and `@`: `%2A` is `*`,
 /// `%41` is `A`) decoded, every other character escaped (`%2F`, `%20`, `%22`, `"`, `é`, …),

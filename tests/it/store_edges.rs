@@ -438,6 +438,35 @@ async fn couchdb_a_path_with_an_empty_segment_is_refused() {
     }
 }
 
+/// pouchdb-server serves `/_node/node1@127.0.0.1/db/d` as `/db/d`, and `/db%3A/d` as `/db/d`
+/// (it drops from a database name what a file name cannot hold): refused, never written past
+/// the document's lock or its turn mark.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn couchdb_a_path_the_store_serves_as_a_sessions_is_refused() {
+    let Couch { direct, agent, .. } = &couch(&couchdb_with_delete()).await;
+    let doc = json!({"_id": "d", "turn": 5, "messages": [{"id": "five"}]});
+    let r = agent.send(Method::PUT, "/db/d", Some(&doc), &[]).await.expect("write");
+    assert_eq!(r.status, 201, "{:?}", r.json);
+    let rev = direct.send(Method::GET, "/db/d", None, &[]).await.expect("read").json["_rev"]
+        .as_str()
+        .expect("a _rev")
+        .to_owned();
+    for path in ["/_node/node1@127.0.0.1/db/d", "/db%3A/d", "/%22db%22/d"] {
+        let older = json!({"_rev": rev, "turn": 3, "messages": [{"id": "three"}]});
+        let r = agent.send(Method::PUT, path, Some(&older), &[]).await.expect("write");
+        assert_eq!(r.status, 400, "PUT {path}: {:?}", r.json);
+        assert_eq!(r.json["turnlock_error"], json!("ambiguous_path"), "{:?}", r.json);
+        let r = agent
+            .send(Method::DELETE, &format!("{path}?rev={rev}"), None, &[])
+            .await
+            .expect("delete");
+        assert_eq!(r.status, 400, "DELETE {path}: {:?}", r.json);
+        let kept = direct.send(Method::GET, "/db/d", None, &[]).await.expect("read").json;
+        assert_eq!(kept["turn"], json!(5), "{path}: {kept}");
+        assert_eq!(message_ids(&kept), ["five"], "{path}: {kept}");
+    }
+}
+
 /// CouchDB answers 404 to a delete naming a revision it does not have, the document still
 /// there: a serialize route's turn mark stays, and an older turn is still refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
