@@ -6,7 +6,7 @@
 # (it needs root). Missing Debian packages are installed first (apt-get, as root or via sudo).
 # The real-store tests drive third-party servers and clients, installed once per machine when
 # missing: moto's S3 server, boto3 and strands-agents (PyPI) in a virtualenv at $TURNLOCK_TEST_VENV, and
-# pouchdb-server (npm) under $TURNLOCK_TEST_NODE.
+# pouchdb-server and nano (npm) under $TURNLOCK_TEST_NODE.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -30,9 +30,9 @@ if ! "$venv/bin/python" -c 'import moto, boto3, flask, strands' >/dev/null 2>&1;
   "$venv/bin/pip" install -q 'moto[server]' boto3 strands-agents
 fi
 node_dir="${TURNLOCK_TEST_NODE:-$HOME/.cache/turnlock-test-node}"
-if [ ! -x "$node_dir/node_modules/.bin/pouchdb-server" ]; then
-  echo "installing pouchdb-server into $node_dir" >&2
+if [ ! -x "$node_dir/node_modules/.bin/pouchdb-server" ] || [ ! -f "$node_dir/node_modules/nano/package.json" ]; then
+  echo "installing pouchdb-server and nano into $node_dir" >&2
   mkdir -p "$node_dir"
-  npm install --silent --no-audit --no-fund --prefix "$node_dir" pouchdb-server@4 >/dev/null
+  npm install --silent --no-audit --no-fund --prefix "$node_dir" pouchdb-server@4 nano@10 >/dev/null
 fi
 cargo test --all-targets "$@"

@@ -169,6 +169,15 @@ pub struct Routes {
 }
 
 impl Routes {
+    /// The body field by which a `POST` names the document it writes, and its dialect, when a
+    /// `PUT` route's dialect has one ([`Dialect::named_in_body`]).
+    pub fn named_in_body(&self) -> Option<(&'static str, &'static Dialect)> {
+        self.routes
+            .iter()
+            .filter(|r| r.method == Method::PUT)
+            .find_map(|r| Some((r.dialect.named_in_body?, r.dialect)))
+    }
+
     /// Whether a route merges a client's full document three ways (`kind = "put"`): only
     /// such a write reads back the snapshot of the version its client read.
     pub fn has_merged_put(&self) -> bool {

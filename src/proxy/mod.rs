@@ -24,6 +24,7 @@ mod dialect;
 mod error;
 mod factory;
 mod layers;
+mod named;
 mod passthrough;
 mod pipeline;
 mod request;
@@ -104,6 +105,20 @@ impl Proxy {
             res.extensions_mut().insert(RouteName("invalid"));
             return res;
         }
+        // A write naming its document in its body (CouchDB's `POST /{db}` with an `_id`):
+        // the `PUT` of that document. Boxed: other requests' futures do not carry its state.
+        let req = if req.method() == http::Method::POST {
+            match Box::pin(named::as_document_write(&inner.routes, req, inner.max_body)).await {
+                Ok(req) => req,
+                Err((dialect, refused)) => {
+                    let mut res = dialect::refusal(dialect, refused);
+                    res.extensions_mut().insert(RouteName("invalid"));
+                    return res;
+                }
+            }
+        } else {
+            req
+        };
         // The route's captures are owned: the path is not copied to find them.
         let found = inner.routes.find(req.method(), req.uri().path());
         let (route_name, mut res) = match found {

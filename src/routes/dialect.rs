@@ -100,6 +100,10 @@ pub struct Dialect {
     pub names: Names,
     /// Requests matching a write route that are not writes of the document.
     pub not_writes: &'static [NotAWrite],
+    /// A body field by which a `POST` to a document's collection (a write route's path
+    /// without its last name) names the document it writes: CouchDB's `POST /{db}` with an
+    /// `_id` creates or updates that document (nano's `db.insert(doc)`), as its `PUT` does.
+    pub named_in_body: Option<&'static str>,
 }
 
 pub const HTTP: Dialect = Dialect {
@@ -113,6 +117,7 @@ pub const HTTP: Dialect = Dialect {
     answer: AnswerForm::Turnlock,
     names: Names::Normalized,
     not_writes: &[],
+    named_in_body: None,
 };
 
 pub const S3: Dialect = Dialect {
@@ -165,6 +170,7 @@ pub const S3: Dialect = Dialect {
         NotAWrite::Query("DELETE", &[&["uploadId="], &["tagging"], &["versionId="]]),
         NotAWrite::Header("x-amz-copy-source"),
     ],
+    named_in_body: None,
 };
 
 pub const COUCHDB: Dialect = Dialect {
@@ -177,6 +183,7 @@ pub const COUCHDB: Dialect = Dialect {
     answer: AnswerForm::Couchdb,
     names: Names::CouchIds,
     not_writes: &[NotAWrite::SessionPrefix("_"), NotAWrite::FirstSegmentPrefix("_")],
+    named_in_body: Some("_id"),
 };
 
 /// Whether `query` has each parameter of `group` (one written `name=` with a value), its

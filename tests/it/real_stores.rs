@@ -6,8 +6,8 @@ use std::collections::{HashMap, HashSet};
 use serde_json::Value;
 
 use crate::support::third_party::{
-    aws_env, moto_server, moto_server_with, pouchdb_server, routes_file, run_python, run_python_env, sidecar_process,
-    sidecars, signed, Server, COUCHDB_ROUTES, S3_ROUTES,
+    aws_env, moto_server, moto_server_with, pouchdb_server, routes_file, run_node, run_python, run_python_env,
+    sidecar_process, sidecars, signed, Server, COUCHDB_ROUTES, S3_ROUTES,
 };
 use crate::support::RedisServer;
 
@@ -289,6 +289,63 @@ async fn couchdb_agents_straight_to_the_store_lose_writes() {
     assert!(
         !lost.is_empty(),
         "the same agents straight to the store lost nothing: the negative control proves nothing ({run})"
+    );
+}
+
+/// nano agents (`db.get`, append, `db.insert(doc)`: a `POST /{db}` naming the document by its
+/// `_id`), on a document none of them created yet, through `endpoints`; the run's figures.
+async fn nano_agents(endpoints: Vec<String>, store: &Server, doc: &str) -> Value {
+    let direct = turnlock::client::JsonClient::new(store.url());
+    let r = direct
+        .send(http::Method::PUT, "/sessions", None, &[])
+        .await
+        .expect("create db");
+    assert!(r.status.is_success(), "create db: {}", r.status);
+    let args = [
+        endpoints.join(","),
+        "sessions".to_owned(),
+        doc.to_owned(),
+        AGENTS.to_string(),
+        WRITES.to_string(),
+        store.url(),
+    ];
+    tokio::task::spawn_blocking(move || {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        run_node("nano_agents.js", &args)
+    })
+    .await
+    .expect("node")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn couchdb_nano_inserts_through_sidecars_are_locked_writes_and_lose_nothing() {
+    let couch = pouchdb_server();
+    let redis = RedisServer::start();
+    let routes = routes_file(COUCHDB_ROUTES);
+    let proxies = sidecars(&couch, &redis, &routes, 2).await;
+    let endpoints = proxies.iter().map(|p| format!("http://{}", p.addr)).collect();
+    let run = nano_agents(endpoints, &couch, "s-1").await;
+    let (acked, lost, dup) = couch_tally(&run);
+    assert_eq!(run["errors"], serde_json::json!([]), "{run}");
+    assert_eq!(acked, AGENTS * WRITES, "every insert acknowledged: {run}");
+    assert!(lost.is_empty(), "acknowledged writes lost: {lost:?} ({run})");
+    assert!(dup.is_empty(), "messages stored twice: {dup:?}");
+    // Merged under the lock, not met with the store's 409 and sent again.
+    assert_eq!(run["conflicts"], 0, "{run}");
+    let answer = &run["answers"][0];
+    assert_eq!(answer["ok"], true, "nano resolves CouchDB's own answer: {run}");
+    assert_eq!(answer["id"], "s-1", "{run}");
+    assert!(answer["rev"].as_str().is_some_and(|r| r.contains('-')), "{run}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn couchdb_nano_inserts_straight_to_the_store_lose_writes() {
+    let couch = pouchdb_server();
+    let run = nano_agents(vec![couch.url()], &couch, "s-1").await;
+    let (_, lost, _) = couch_tally(&run);
+    assert!(
+        !lost.is_empty(),
+        "the same nano agents straight to the store lost nothing: the negative control proves nothing ({run})"
     );
 }
 

@@ -146,6 +146,14 @@ fn couchdb_with_delete() -> String {
     format!("{COUCHDB_ROUTES}\n[[route]]\nmethod = \"DELETE\"\npath = \"/{{db}}/{{session}}\"\nmode = \"merge\"\nkind = \"delete\"\n")
 }
 
+/// `doc` written to `/db/d` through the sidecar; the `_rev` the store gave it.
+async fn written_rev(agent: &JsonClient, direct: &JsonClient, doc: &Value) -> String {
+    let r = agent.send(Method::PUT, "/db/d", Some(doc), &[]).await.expect("write");
+    assert_eq!(r.status, 201, "{:?}", r.json);
+    let stored = direct.send(Method::GET, "/db/d", None, &[]).await.expect("read").json;
+    stored["_rev"].as_str().expect("a _rev").to_owned()
+}
+
 fn message_ids(doc: &Value) -> Vec<String> {
     doc["messages"]
         .as_array()
@@ -413,11 +421,12 @@ async fn couchdb_a_session_delete_at_an_old_rev_is_refused_and_at_the_latest_del
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn couchdb_a_path_with_an_empty_segment_is_refused() {
     let Couch { direct, agent, .. } = &couch(&couchdb_with_delete()).await;
-    let doc = json!({"_id": "d", "turn": 1, "messages": [{"id": "one"}]});
-    let r = agent.send(Method::PUT, "/db/d", Some(&doc), &[]).await.expect("write");
-    assert_eq!(r.status, 201, "{:?}", r.json);
-    let stored = direct.send(Method::GET, "/db/d", None, &[]).await.expect("read").json;
-    let rev = stored["_rev"].as_str().expect("a _rev").to_owned();
+    let rev = written_rev(
+        agent,
+        direct,
+        &json!({"_id": "d", "turn": 1, "messages": [{"id": "one"}]}),
+    )
+    .await;
 
     for path in ["/db/d/", "/db//d", "//db/d"] {
         let url = format!("{path}?rev={rev}");
@@ -444,13 +453,12 @@ async fn couchdb_a_path_with_an_empty_segment_is_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn couchdb_a_path_the_store_serves_as_a_sessions_is_refused() {
     let Couch { direct, agent, .. } = &couch(&couchdb_with_delete()).await;
-    let doc = json!({"_id": "d", "turn": 5, "messages": [{"id": "five"}]});
-    let r = agent.send(Method::PUT, "/db/d", Some(&doc), &[]).await.expect("write");
-    assert_eq!(r.status, 201, "{:?}", r.json);
-    let rev = direct.send(Method::GET, "/db/d", None, &[]).await.expect("read").json["_rev"]
-        .as_str()
-        .expect("a _rev")
-        .to_owned();
+    let rev = written_rev(
+        agent,
+        direct,
+        &json!({"_id": "d", "turn": 5, "messages": [{"id": "five"}]}),
+    )
+    .await;
     for path in ["/_node/node1@127.0.0.1/db/d", "/db%3A/d", "/%22db%22/d"] {
         let older = json!({"_rev": rev, "turn": 3, "messages": [{"id": "three"}]});
         let r = agent.send(Method::PUT, path, Some(&older), &[]).await.expect("write");
@@ -693,4 +701,103 @@ async fn a_method_override_that_would_make_a_write_is_refused() {
         .await
         .expect("post");
     assert_ne!(r.json["turnlock_error"], json!("method_override"), "{:?}", r.json);
+}
+
+/// CouchDB's `POST /{db}` with an `_id` (nano's `db.insert(doc)`) writes that document as its
+/// `PUT` does: through the sidecar it is the write route's locked write, turn rule and all.
+/// A `POST` naming no session document (no `_id`, a design document) is the store's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn couchdb_a_post_naming_a_session_document_is_its_locked_write() {
+    let Couch { direct, agent, .. } = &couch(COUCHDB_ROUTES).await;
+    let post = |path: &'static str, doc: Value, headers: Vec<(&'static str, String)>| async move {
+        agent
+            .send(Method::POST, path, Some(&doc), &headers)
+            .await
+            .expect("post")
+    };
+    let r = post(
+        "/db",
+        json!({"_id": "d", "turn": 2, "messages": [{"id": "two"}]}),
+        vec![],
+    )
+    .await;
+    assert_eq!(r.status, 201, "{:?}", r.json);
+    assert_eq!(
+        (&r.json["ok"], &r.json["id"]),
+        (&json!(true), &json!("d")),
+        "{:?}",
+        r.json
+    );
+    // An older turn is refused as the PUT's would be: nothing written.
+    let r = post(
+        "/db",
+        json!({"_id": "d", "turn": 1, "messages": [{"id": "one"}]}),
+        vec![],
+    )
+    .await;
+    assert_eq!(r.status, 409, "{:?}", r.json);
+    assert_eq!(r.json["turnlock_error"], json!("stale_turn"), "{:?}", r.json);
+    // Without a `_rev`, merged (CouchDB itself would answer 409 and write nothing).
+    let r = post(
+        "/db/",
+        json!({"_id": "d", "turn": 3, "messages": [{"id": "three"}]}),
+        vec![],
+    )
+    .await;
+    assert_eq!(r.status, 201, "{:?}", r.json);
+    let stored = direct.send(Method::GET, "/db/d", None, &[]).await.expect("read").json;
+    assert_eq!(message_ids(&stored), ["two", "three"], "{stored}");
+
+    // An id that is no single name of a path: escaped, the document is the one named.
+    let r = post(
+        "/db",
+        json!({"_id": "a/b c.d", "turn": 1, "messages": [{"id": "x"}]}),
+        vec![],
+    )
+    .await;
+    assert_eq!(r.status, 201, "{:?}", r.json);
+    assert_eq!(r.json["id"], json!("a/b c.d"), "{:?}", r.json);
+    let stored = direct
+        .send(Method::GET, "/db/a%2Fb%20c.d", None, &[])
+        .await
+        .expect("read");
+    assert_eq!(message_ids(&stored.json), ["x"], "{:?}", stored.json);
+
+    // The store's own: a design document, a document without an id (the store names it).
+    for (doc, id) in [
+        (json!({"_id": "_design/v", "views": {}}), Some("_design/v")),
+        (json!({"turn": 1, "messages": [{"id": "y"}]}), None),
+    ] {
+        let r = post("/db", doc.clone(), vec![]).await;
+        assert_eq!(r.status, 201, "{doc}: {:?}", r.json);
+        let id = id.map_or_else(|| r.json["id"].as_str().expect("an id").to_owned(), str::to_owned);
+        let path = format!("/db/{}", id.replace('/', "%2F"));
+        let mut stored = direct.send(Method::GET, &path, None, &[]).await.expect("read").json;
+        let object = stored.as_object_mut().expect("a document");
+        object.remove("_rev");
+        object.remove("_id");
+        let mut sent = doc;
+        sent.as_object_mut().expect("an object").remove("_id");
+        assert_eq!(stored, sent, "stored as sent, no turnlock field");
+    }
+
+    // Refused rather than passed on unread: a coded body, a path the stores read two ways.
+    let r = post(
+        "/db",
+        json!({"_id": "d"}),
+        vec![("content-encoding", "gzip".to_owned())],
+    )
+    .await;
+    assert_eq!(r.status, 400, "{:?}", r.json);
+    assert_eq!(
+        r.json["turnlock_error"],
+        json!("unsupported_content_encoding"),
+        "{:?}",
+        r.json
+    );
+    let r = post("//db", json!({"_id": "d", "turn": 9, "messages": []}), vec![]).await;
+    assert_eq!(r.status, 400, "{:?}", r.json);
+    assert_eq!(r.json["turnlock_error"], json!("ambiguous_path"), "{:?}", r.json);
+    let stored = direct.send(Method::GET, "/db/d", None, &[]).await.expect("read").json;
+    assert_eq!(message_ids(&stored), ["two", "three"], "{stored}");
 }

@@ -116,7 +116,10 @@ pub struct Limits {
 
 /// Reads a whole body of at most `max` bytes: `Err(None)` when it is larger, `Err(Some(..))`
 /// when reading failed.
-async fn read_limited(mut body: crate::http::Body, max: usize) -> Result<bytes::Bytes, Option<crate::http::BoxError>> {
+pub(super) async fn read_limited(
+    mut body: crate::http::Body,
+    max: usize,
+) -> Result<bytes::Bytes, Option<crate::http::BoxError>> {
     let mut buf = bytes::BytesMut::new();
     while let Some(frame) = body.frame().await {
         if let Ok(data) = frame.map_err(Some)?.into_data() {

@@ -107,9 +107,9 @@ pub fn moto_server_with(env: &[(&str, &str)]) -> Server {
 
 /// The npm packages the tests run, installed at `TURNLOCK_TEST_NODE` (default
 /// `~/.cache/turnlock-test-node`) on first use.
-const NPM_PACKAGES: &[&str] = &["pouchdb-server@4"];
+const NPM_PACKAGES: &[&str] = &["pouchdb-server@4", "nano@10"];
 
-/// The directory whose `node_modules/.bin` has `pouchdb-server`.
+/// The directory whose `node_modules` has `pouchdb-server` and nano.
 pub fn node_dir() -> PathBuf {
     let dir = std::env::var_os("TURNLOCK_TEST_NODE")
         .map(PathBuf::from)
@@ -119,7 +119,8 @@ pub fn node_dir() -> PathBuf {
         });
     let _guard = INSTALL.lock().unwrap_or_else(|e| e.into_inner());
     let bin = dir.join("node_modules/.bin/pouchdb-server");
-    if !bin.exists() {
+    let nano = dir.join("node_modules/nano/package.json");
+    if !bin.exists() || !nano.exists() {
         let _ = std::fs::create_dir_all(&dir);
         let installed = Command::new("npm")
             .args(["install", "--silent", "--no-audit", "--no-fund", "--prefix"])
@@ -128,8 +129,8 @@ pub fn node_dir() -> PathBuf {
             .status()
             .is_ok_and(|s| s.success());
         assert!(
-            installed && bin.exists(),
-            "cannot install {NPM_PACKAGES:?} into {dir:?}: run `npm install --prefix {} pouchdb-server`",
+            installed && bin.exists() && nano.exists(),
+            "cannot install {NPM_PACKAGES:?} into {dir:?}: run `npm install --prefix {} pouchdb-server@4 nano@10`",
             dir.display()
         );
     }
@@ -174,6 +175,11 @@ pub fn run_python_env(script: &str, args: &[&str], env: &[(String, String)]) -> 
         .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
         .output()
         .expect("run python");
+    last_json(script, &out)
+}
+
+/// A script's standard output's last line parsed as JSON; the script must have succeeded.
+fn last_json(script: &str, out: &std::process::Output) -> serde_json::Value {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
@@ -182,6 +188,22 @@ pub fn run_python_env(script: &str, args: &[&str], env: &[(String, String)]) -> 
     );
     let last = stdout.lines().last().unwrap_or("");
     serde_json::from_str(last).unwrap_or_else(|e| panic!("{script} printed no JSON ({e}): {stdout}"))
+}
+
+/// Runs a Node script of `tests/it/scripts` with the packages of [`node_dir`]; returns its
+/// standard output's last line parsed as JSON.
+pub fn run_node(script: &str, args: &[&str]) -> serde_json::Value {
+    let modules = node_dir().join("node_modules");
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/it/scripts")
+        .join(script);
+    let out = Command::new("node")
+        .arg(&path)
+        .args(args)
+        .env("NODE_PATH", &modules)
+        .output()
+        .expect("run node");
+    last_json(script, &out)
 }
 
 // === sidecars in front of these stores ===
