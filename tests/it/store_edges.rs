@@ -801,3 +801,61 @@ async fn couchdb_a_post_naming_a_session_document_is_its_locked_write() {
     let stored = direct.send(Method::GET, "/db/d", None, &[]).await.expect("read").json;
     assert_eq!(message_ids(&stored), ["two", "three"], "{stored}");
 }
+
+/// A write's log line states the status its client got, in the route's dialect: CouchDB's
+/// `201` for a merged write of a document that existed, not the `200` of turnlock's own answer
+/// it was made from.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dialect_writes_log_line_states_the_status_its_client_got() {
+    let store = pouchdb_server();
+    let redis = RedisServer::start();
+    let routes = routes_file(COUCHDB_ROUTES);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let log = dir.path().join("proxy.log");
+    let routes_arg = routes.path().display().to_string();
+    let (proc, addr) = crate::support::Proc::logged_proxy(
+        format!("127.0.0.1:{}", store.port).parse().expect("addr"),
+        &["--redis", &redis.url(), "--routes", &routes_arg],
+        &log,
+    );
+    let direct = JsonClient::new(store.url());
+    let agent = JsonClient::new(format!("http://{addr}"));
+    assert!(direct
+        .send(Method::PUT, "/db", None, &[])
+        .await
+        .expect("db")
+        .status
+        .is_success());
+    // A document created, then changed: CouchDB answers both 201.
+    for turn in [2, 3] {
+        let r = agent
+            .send(Method::PUT, "/db/d", Some(&json!({"turn": turn, "messages": []})), &[])
+            .await
+            .expect("write");
+        assert_eq!(r.status, 201, "{:?}", r.json);
+    }
+    let r = agent
+        .send(Method::PUT, "/db/d", Some(&json!({"turn": 1, "messages": []})), &[])
+        .await
+        .expect("write");
+    assert_eq!(r.status, 409, "{:?}", r.json);
+    proc.signal("TERM");
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    drop(proc);
+    let text = std::fs::read_to_string(&log).expect("read log");
+    let lines: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains(" write route=") && l.contains(r#"session="d."#))
+        .collect();
+    assert_eq!(lines.len(), 3, "{text}");
+    for line in &lines[..2] {
+        assert!(
+            line.contains("status=201") && line.contains(r#"outcome="ok""#),
+            "{text}"
+        );
+    }
+    assert!(
+        lines[2].contains("status=409") && lines[2].contains(r#"outcome="stale_turn""#),
+        "{text}"
+    );
+}
