@@ -20,6 +20,7 @@
 //! 7. `error`: every refusal or failure of a write made an answer in one place.
 
 mod answer;
+mod bulk;
 mod dialect;
 mod error;
 mod factory;
@@ -107,6 +108,12 @@ impl Proxy {
         }
         // A write naming its document in its body (CouchDB's `POST /{db}` with an `_id`):
         // the `PUT` of that document. Boxed: other requests' futures do not carry its state.
+        if let Some(dialect) = bulk::is_bulk(self, &req) {
+            let peer = peer.unwrap_or(SocketAddr::from(([127, 0, 0, 1], 0)));
+            let mut res = Box::pin(self.bulk(req, dialect, peer)).await;
+            res.extensions_mut().insert(RouteName("bulk"));
+            return res;
+        }
         let req = if req.method() == http::Method::POST {
             match Box::pin(named::as_document_write(&inner.routes, req, inner.max_body)).await {
                 Ok(req) => req,

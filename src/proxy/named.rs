@@ -7,9 +7,9 @@ use http::{header, HeaderValue, Method, Request, Uri};
 use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
 
 use super::error::{EdgeError, Refusal};
-use super::request::{self, read_limited, BODY_READ_TIMEOUT};
+use super::request::{self, read_whole};
 use crate::http::Body;
-use crate::routes::{Dialect, Routes};
+use crate::routes::{Captures, Dialect, Route, Routes};
 
 /// What a document id is written as in a path: everything but letters, digits, `-`, `_` and
 /// `~` escaped (`/` as `%2F`: a character of the id, not a segment).
@@ -30,12 +30,7 @@ pub async fn as_document_write(
     let refuse = |e: EdgeError| (dialect, Refusal::from(e));
     // A coded body is refused rather than passed on unread: the store would decode it and
     // might find a session's document named in it.
-    if req
-        .headers()
-        .get_all(header::CONTENT_ENCODING)
-        .iter()
-        .any(|v| !v.as_bytes().trim_ascii().eq_ignore_ascii_case(b"identity"))
-    {
+    if coded(req.headers()) {
         return Err(refuse(EdgeError::Invalid {
             code: "unsupported_content_encoding",
             message: format!(
@@ -55,55 +50,99 @@ pub async fn as_document_write(
         return Err(refuse(EdgeError::BodyTooLarge { limit: max }));
     }
     let (mut parts, body) = req.into_parts();
-    let bytes = match tokio::time::timeout(BODY_READ_TIMEOUT, read_limited(body, max)).await {
-        Err(_) => return Err(refuse(EdgeError::BodyTimeout(BODY_READ_TIMEOUT))),
-        Ok(Err(None)) => return Err(refuse(EdgeError::BodyTooLarge { limit: max })),
-        Ok(Err(Some(e))) => {
-            return Err(refuse(EdgeError::Invalid {
-                code: "body_read_failed",
-                message: format!("could not read the request body: {e}"),
-            }))
-        }
-        Ok(Ok(bytes)) => bytes,
-    };
+    let bytes = read_whole(body, max).await.map_err(refuse)?;
     // Sent on with its length stated (it may have come chunked).
     parts.headers.remove(header::TRANSFER_ENCODING);
     parts
         .headers
         .insert(header::CONTENT_LENGTH, HeaderValue::from(bytes.len()));
-    let unchanged = |parts, bytes| Request::from_parts(parts, crate::http::full(bytes));
-    // No id (the store makes one up: a new document, no other writer's), or a body the store
-    // refuses as it is not a JSON object: passed on as it came.
-    let Some(id) = named_id(&bytes, field) else {
-        return Ok(unchanged(parts, bytes));
+    // No id (the store makes one up: a new document, no other writer's), a body the store
+    // refuses as it is not a JSON object, a document no write route names: passed on as it
+    // came.
+    let Ok(doc) = serde_json::from_slice::<serde_json::Value>(&bytes) else {
+        return Ok(Request::from_parts(parts, crate::http::full(bytes)));
     };
-    let collection = parts.uri.path();
-    let collection = collection.strip_suffix('/').unwrap_or(collection);
-    let mut target = format!("{collection}/{}", utf8_percent_encode(&id, ID));
-    if let Some(query) = parts.uri.query() {
+    let path = parts.uri.path();
+    let collection = path.strip_suffix('/').unwrap_or(path);
+    match document_route(routes, collection, parts.uri.query(), &parts.headers, &doc, field) {
+        Ok(Some(named)) => {
+            tracing::debug!(uri = %named.uri, "a POST naming its document in its body: written as the PUT of that document");
+            parts.method = Method::PUT;
+            parts.uri = named.uri;
+            Ok(Request::from_parts(parts, crate::http::full(bytes)))
+        }
+        Ok(None) => Ok(Request::from_parts(parts, crate::http::full(bytes))),
+        Err(ambiguous) => Err((dialect, EdgeError::AmbiguousPath(ambiguous).into())),
+    }
+}
+
+/// The last name of a path (before one trailing `/`), percent-decoded as CouchDB reads it.
+pub fn last_name(path: &str) -> std::borrow::Cow<'_, str> {
+    let last = path
+        .strip_suffix('/')
+        .unwrap_or(path)
+        .rsplit('/')
+        .next()
+        .unwrap_or_default();
+    percent_encoding::percent_decode_str(last).decode_utf8_lossy()
+}
+
+/// Whether a body comes coded (a `Content-Encoding` other than `identity`).
+pub fn coded(headers: &http::HeaderMap) -> bool {
+    headers
+        .get_all(header::CONTENT_ENCODING)
+        .iter()
+        .any(|v| !v.as_bytes().trim_ascii().eq_ignore_ascii_case(b"identity"))
+}
+
+/// A document a write route names, by its id.
+pub struct Named<'r> {
+    pub id: String,
+    pub route: &'r Route,
+    pub captures: Captures,
+    /// Its `PUT`'s target: `{collection}/{id}`, the id escaped, and the request's query.
+    pub uri: Uri,
+}
+
+/// The write route whose `PUT` writes `doc`, named by its `field`, in `collection` (a path):
+/// none when it names no document or no write route's; a refusal's message when the path is
+/// one the stores read two ways.
+pub fn document_route<'r>(
+    routes: &'r Routes,
+    collection: &str,
+    query: Option<&str>,
+    headers: &http::HeaderMap,
+    doc: &serde_json::Value,
+    field: &str,
+) -> Result<Option<Named<'r>>, String> {
+    let id = match doc.get(field) {
+        Some(serde_json::Value::String(id)) if !id.is_empty() => id,
+        _ => return Ok(None),
+    };
+    let mut target = format!("{collection}/{}", utf8_percent_encode(id, ID));
+    if let Some(query) = query {
         target.push('?');
         target.push_str(query);
     }
     let Ok(uri) = target.parse::<Uri>() else {
-        return Ok(unchanged(parts, bytes));
+        return Ok(None);
     };
     match routes.find(&Method::PUT, uri.path()) {
         Ok(Some((route, captures)))
             if route.dialect.named_in_body == Some(field)
                 && !route
                     .dialect
-                    .not_a_write(&Method::PUT, &uri, &parts.headers, &captures.session) =>
+                    .not_a_write(&Method::PUT, &uri, headers, &captures.session) =>
         {
-            tracing::debug!(%uri, "a POST naming its document in its body: written as the PUT of that document");
-            parts.method = Method::PUT;
-            parts.uri = uri;
-            Ok(Request::from_parts(parts, crate::http::full(bytes)))
+            Ok(Some(Named {
+                id: id.clone(),
+                route,
+                captures,
+                uri,
+            }))
         }
-        Err(ambiguous) => Err((
-            ambiguous.dialect,
-            EdgeError::AmbiguousPath(ambiguous.to_string()).into(),
-        )),
-        Ok(_) => Ok(unchanged(parts, bytes)),
+        Ok(_) => Ok(None),
+        Err(ambiguous) => Err(ambiguous.to_string()),
     }
 }
 
@@ -119,17 +158,7 @@ fn worth_reading(routes: &Routes, req: &Request<Body>) -> Option<(&'static str, 
     if !matches!(routes.find(req.method(), req.uri().path()), Ok(None)) {
         return None;
     }
-    let path = req.uri().path();
-    let last = path
-        .strip_suffix('/')
-        .unwrap_or(path)
-        .rsplit('/')
-        .next()
-        .unwrap_or_default();
-    if percent_encoding::percent_decode_str(last)
-        .decode_utf8_lossy()
-        .starts_with('_')
-    {
+    if last_name(req.uri().path()).starts_with('_') {
         return None;
     }
     let multipart = req.headers().get(header::CONTENT_TYPE).is_some_and(|v| {
@@ -142,18 +171,6 @@ fn worth_reading(routes: &Routes, req: &Request<Body>) -> Option<(&'static str, 
         return None;
     }
     Some((field, dialect))
-}
-
-/// The string in the body's top-level `field`, when the body is a JSON object holding one that
-/// is not empty.
-fn named_id(body: &[u8], field: &str) -> Option<String> {
-    let serde_json::Value::Object(mut doc) = serde_json::from_slice(body).ok()? else {
-        return None;
-    };
-    match doc.remove(field)? {
-        serde_json::Value::String(id) if !id.is_empty() => Some(id),
-        _ => None,
-    }
 }
 
 #[cfg(test)]
@@ -171,15 +188,27 @@ mod tests {
     }
 
     #[test]
-    fn only_a_non_empty_string_id_names_a_document() {
-        assert_eq!(
-            named_id(br#"{"_id":"s-1","messages":[]}"#, "_id").as_deref(),
-            Some("s-1")
+    fn only_a_non_empty_string_id_names_a_write_routes_document() {
+        let routes = crate::routes::Routes::from_toml(
+            "[store]\ndialect = \"couchdb\"\n[[route]]\nmethod = \"PUT\"\npath = \"/{db}/{session}\"\nmode = \"merge\"\nkind = \"put\"\nturn = { body = \"/turn\", optional = true }\n",
+            "/v1/sessions/",
+        )
+        .expect("routes");
+        let named = |collection: &str, doc: serde_json::Value| {
+            document_route(&routes, collection, None, &http::HeaderMap::new(), &doc, "_id")
+                .map(|n| n.map(|n| (n.id, n.uri.to_string())))
+        };
+        let s1 = Some(("s-1".to_owned(), "/db/s-1".to_owned()));
+        assert_eq!(named("/db", serde_json::json!({"_id": "s-1", "messages": []})), Ok(s1));
+        assert_eq!(named("/db", serde_json::json!({"messages": []})), Ok(None));
+        assert_eq!(named("/db", serde_json::json!({"_id": ""})), Ok(None));
+        assert_eq!(named("/db", serde_json::json!({"_id": 7})), Ok(None));
+        assert_eq!(named("/db", serde_json::json!([{"_id": "s-1"}])), Ok(None));
+        // The database's own resources are not sessions' documents.
+        assert_eq!(named("/db", serde_json::json!({"_id": "_design/v"})), Ok(None));
+        assert!(
+            named("//db", serde_json::json!({"_id": "d"})).is_err(),
+            "an empty segment is read two ways"
         );
-        assert_eq!(named_id(br#"{"messages":[]}"#, "_id"), None);
-        assert_eq!(named_id(br#"{"_id":""}"#, "_id"), None);
-        assert_eq!(named_id(br#"{"_id":7}"#, "_id"), None);
-        assert_eq!(named_id(br#"[{"_id":"s-1"}]"#, "_id"), None);
-        assert_eq!(named_id(b"not json", "_id"), None);
     }
 }

@@ -104,6 +104,9 @@ pub struct Dialect {
     /// without its last name) names the document it writes: CouchDB's `POST /{db}` with an
     /// `_id` creates or updates that document (nano's `db.insert(doc)`), as its `PUT` does.
     pub named_in_body: Option<&'static str>,
+    /// The last name of a collection's path to which a `POST` writes several documents, each
+    /// named by [`Dialect::named_in_body`] (CouchDB's `_bulk_docs`).
+    pub bulk_endpoint: Option<&'static str>,
 }
 
 pub const HTTP: Dialect = Dialect {
@@ -118,6 +121,7 @@ pub const HTTP: Dialect = Dialect {
     names: Names::Normalized,
     not_writes: &[],
     named_in_body: None,
+    bulk_endpoint: None,
 };
 
 pub const S3: Dialect = Dialect {
@@ -171,6 +175,7 @@ pub const S3: Dialect = Dialect {
         NotAWrite::Header("x-amz-copy-source"),
     ],
     named_in_body: None,
+    bulk_endpoint: None,
 };
 
 pub const COUCHDB: Dialect = Dialect {
@@ -184,6 +189,7 @@ pub const COUCHDB: Dialect = Dialect {
     names: Names::CouchIds,
     not_writes: &[NotAWrite::SessionPrefix("_"), NotAWrite::FirstSegmentPrefix("_")],
     named_in_body: Some("_id"),
+    bulk_endpoint: Some("_bulk_docs"),
 };
 
 /// Whether `query` has each parameter of `group` (one written `name=` with a value), its

@@ -293,8 +293,9 @@ async fn couchdb_agents_straight_to_the_store_lose_writes() {
 }
 
 /// nano agents (`db.get`, append, `db.insert(doc)`: a `POST /{db}` naming the document by its
-/// `_id`), on a document none of them created yet, through `endpoints`; the run's figures.
-async fn nano_agents(endpoints: Vec<String>, store: &Server, doc: &str) -> Value {
+/// `_id`; with `mode` "bulk", `db.bulk({docs: [doc]})`), on a document none of them created
+/// yet, through `endpoints`; the run's figures.
+async fn nano_agents(endpoints: Vec<String>, store: &Server, doc: &str, mode: &str) -> Value {
     let direct = turnlock::client::JsonClient::new(store.url());
     let r = direct
         .send(http::Method::PUT, "/sessions", None, &[])
@@ -308,6 +309,7 @@ async fn nano_agents(endpoints: Vec<String>, store: &Server, doc: &str) -> Value
         AGENTS.to_string(),
         WRITES.to_string(),
         store.url(),
+        mode.to_owned(),
     ];
     tokio::task::spawn_blocking(move || {
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
@@ -317,17 +319,18 @@ async fn nano_agents(endpoints: Vec<String>, store: &Server, doc: &str) -> Value
     .expect("node")
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn couchdb_nano_inserts_through_sidecars_are_locked_writes_and_lose_nothing() {
+/// nano agents writing in `mode` through 2 sidecars: every write acknowledged and stored once,
+/// merged under the lock (no store 409 met), answered as CouchDB answers.
+async fn nano_agents_through_sidecars_lose_nothing(mode: &str) {
     let couch = pouchdb_server();
     let redis = RedisServer::start();
     let routes = routes_file(COUCHDB_ROUTES);
     let proxies = sidecars(&couch, &redis, &routes, 2).await;
     let endpoints = proxies.iter().map(|p| format!("http://{}", p.addr)).collect();
-    let run = nano_agents(endpoints, &couch, "s-1").await;
+    let run = nano_agents(endpoints, &couch, "s-1", mode).await;
     let (acked, lost, dup) = couch_tally(&run);
     assert_eq!(run["errors"], serde_json::json!([]), "{run}");
-    assert_eq!(acked, AGENTS * WRITES, "every insert acknowledged: {run}");
+    assert_eq!(acked, AGENTS * WRITES, "every write acknowledged: {run}");
     assert!(lost.is_empty(), "acknowledged writes lost: {lost:?} ({run})");
     assert!(dup.is_empty(), "messages stored twice: {dup:?}");
     // Merged under the lock, not met with the store's 409 and sent again.
@@ -338,15 +341,35 @@ async fn couchdb_nano_inserts_through_sidecars_are_locked_writes_and_lose_nothin
     assert!(answer["rev"].as_str().is_some_and(|r| r.contains('-')), "{run}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn couchdb_nano_inserts_straight_to_the_store_lose_writes() {
+/// The same nano agents straight to the store lose acknowledged writes.
+async fn nano_agents_straight_to_the_store_lose_writes(mode: &str) {
     let couch = pouchdb_server();
-    let run = nano_agents(vec![couch.url()], &couch, "s-1").await;
+    let run = nano_agents(vec![couch.url()], &couch, "s-1", mode).await;
     let (_, lost, _) = couch_tally(&run);
     assert!(
         !lost.is_empty(),
         "the same nano agents straight to the store lost nothing: the negative control proves nothing ({run})"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn couchdb_nano_inserts_through_sidecars_are_locked_writes_and_lose_nothing() {
+    nano_agents_through_sidecars_lose_nothing("insert").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn couchdb_nano_inserts_straight_to_the_store_lose_writes() {
+    nano_agents_straight_to_the_store_lose_writes("insert").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn couchdb_nano_bulk_writes_through_sidecars_are_locked_writes_and_lose_nothing() {
+    nano_agents_through_sidecars_lose_nothing("bulk").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn couchdb_nano_bulk_writes_straight_to_the_store_lose_writes() {
+    nano_agents_straight_to_the_store_lose_writes("bulk").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

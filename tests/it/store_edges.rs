@@ -859,3 +859,70 @@ async fn a_dialect_writes_log_line_states_the_status_its_client_got() {
         "{text}"
     );
 }
+
+/// CouchDB's `POST /{db}/_bulk_docs` (nano's `db.bulk`, PouchDB's `bulkDocs`): the sessions'
+/// documents in it are written as their `PUT`s (locked, merged, turn-checked), the others by
+/// the store; one entry per document, in order, as CouchDB answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn couchdb_a_bulk_write_writes_sessions_documents_as_their_locked_puts() {
+    let Couch { direct, agent, .. } = &couch(COUCHDB_ROUTES).await;
+    written_rev(agent, direct, &json!({"turn": 2, "messages": [{"id": "two"}]})).await;
+    let bulk = |body: Value| async move {
+        agent
+            .send(Method::POST, "/db/_bulk_docs", Some(&body), &[])
+            .await
+            .expect("bulk")
+    };
+    let r = bulk(json!({"docs": [
+        {"_id": "other", "x": 1},
+        {"_id": "d", "turn": 3, "messages": [{"id": "three"}]},
+        {"_id": "d2", "turn": 1, "messages": [{"id": "x"}]},
+        {"_id": "d", "turn": 1, "messages": [{"id": "old"}]},
+        {"_id": "_design/v", "views": {}},
+    ]}))
+    .await;
+    assert_eq!(r.status, 201, "{:?}", r.json);
+    let entries = r.json.as_array().expect("one entry per document").clone();
+    let ids: Vec<&str> = entries.iter().map(|e| e["id"].as_str().unwrap_or("?")).collect();
+    assert_eq!(ids, ["other", "d", "d2", "d", "_design/v"], "{:?}", r.json);
+    for i in [0, 1, 2, 4] {
+        assert_eq!(entries[i]["ok"], json!(true), "{i}: {:?}", r.json);
+        assert!(
+            entries[i]["rev"].as_str().is_some_and(|r| r.contains('-')),
+            "{:?}",
+            r.json
+        );
+    }
+    assert_eq!(entries[3]["error"], json!("conflict"), "an older turn: {:?}", r.json);
+    assert_eq!(entries[3]["turnlock_error"], json!("stale_turn"), "{:?}", r.json);
+    let read = |path: &'static str| async move { direct.send(Method::GET, path, None, &[]).await.expect("read").json };
+    assert_eq!(message_ids(&read("/db/d").await), ["two", "three"]);
+    assert_eq!(message_ids(&read("/db/d2").await), ["x"]);
+    assert_eq!(
+        read("/db/other").await["x"],
+        json!(1),
+        "every document of /db is a session's"
+    );
+    let mut design = read("/db/_design%2Fv").await;
+    let design = design.as_object_mut().expect("a document");
+    design.remove("_rev");
+    assert_eq!(
+        Value::Object(design.clone()),
+        json!({"_id": "_design/v", "views": {}}),
+        "the store's, untouched"
+    );
+
+    // A session's document deleted in bulk: refused, kept; a bulk of the store's documents
+    // alone, even as given (replication), is the store's own.
+    let rev = read("/db/d").await["_rev"].as_str().expect("a _rev").to_owned();
+    let r = bulk(json!({"docs": [{"_id": "d", "_rev": rev, "_deleted": true}]})).await;
+    assert_eq!(r.status, 201, "{:?}", r.json);
+    assert_eq!(r.json[0]["error"], json!("forbidden"), "{:?}", r.json);
+    assert_eq!(message_ids(&read("/db/d").await), ["two", "three"]);
+    let r = bulk(json!({"new_edits": false, "docs": [{"_id": "d", "_rev": "9-abc", "messages": []}]})).await;
+    assert_eq!(r.status, 400, "{:?}", r.json);
+    assert_eq!(r.json["turnlock_error"], json!("bulk_as_given"), "{:?}", r.json);
+    assert_eq!(message_ids(&read("/db/d").await), ["two", "three"]);
+    let r = bulk(json!({"new_edits": false, "docs": [{"_id": "_local/x", "_rev": "0-1", "y": 2}]})).await;
+    assert!(r.status.is_success(), "{:?}", r.json);
+}

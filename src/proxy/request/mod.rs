@@ -132,6 +132,19 @@ pub(super) async fn read_limited(
     Ok(buf.freeze())
 }
 
+/// A whole body of at most `max` bytes, received within [`BODY_READ_TIMEOUT`].
+pub(super) async fn read_whole(body: crate::http::Body, max: usize) -> Result<bytes::Bytes, EdgeError> {
+    match tokio::time::timeout(BODY_READ_TIMEOUT, read_limited(body, max)).await {
+        Err(_) => Err(EdgeError::BodyTimeout(BODY_READ_TIMEOUT)),
+        Ok(Ok(bytes)) => Ok(bytes),
+        Ok(Err(None)) => Err(EdgeError::BodyTooLarge { limit: max }),
+        Ok(Err(Some(e))) => Err(EdgeError::Invalid {
+            code: "body_read_failed",
+            message: format!("could not read the request body: {e}"),
+        }),
+    }
+}
+
 /// Parses and validates a write. `limits` bound the body, declared or streamed.
 pub async fn parse(
     route: &Route,
@@ -201,12 +214,7 @@ pub async fn parse(
     if json_body {
         check_content_type(&parts.headers, route.strict_content_type)?;
     }
-    let bytes = match tokio::time::timeout(BODY_READ_TIMEOUT, read_limited(body, max_body)).await {
-        Err(_) => return Err(EdgeError::BodyTimeout(BODY_READ_TIMEOUT).into()),
-        Ok(Ok(bytes)) => bytes,
-        Ok(Err(None)) => return Err(too_large(max_body)),
-        Ok(Err(Some(e))) => return Err(bad("body_read_failed", format!("could not read the request body: {e}"))),
-    };
+    let bytes = read_whole(body, max_body).await?;
     // A turn header sent twice could be read as one value here and as the other by the store.
     let route_turn_header = match &route.turn {
         TurnSource::Header(name) => Some(name.as_str()),

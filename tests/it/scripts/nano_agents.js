@@ -6,7 +6,10 @@
 // writes nano resolved, the errors it threw (other than the 409s retried), the 409s met, the
 // first answer body, and the document the store holds at the end.
 //
-// usage: node nano_agents.js ENDPOINTS DB DOC AGENTS WRITES STORE
+// With MODE `bulk`, each write is a `db.bulk({docs: [doc]})` (a `POST /{db}/_bulk_docs`), its
+// entry's `conflict` error taken as the 409.
+//
+// usage: node nano_agents.js ENDPOINTS DB DOC AGENTS WRITES STORE [MODE]
 'use strict';
 const nano = require('nano');
 
@@ -14,6 +17,19 @@ const [endpoints, dbName, docId, agents, writes, store] = [
   process.argv[2].split(','), process.argv[3], process.argv[4],
   Number(process.argv[5]), Number(process.argv[6]), process.argv[7],
 ];
+const bulk = process.argv[8] === 'bulk';
+
+// One write of `doc`: nano's answer, or its error (a bulk entry's error as a 409).
+async function write(db, doc) {
+  if (!bulk) return db.insert(doc);
+  const [entry] = await db.bulk({ docs: [doc] });
+  if (entry && entry.error) {
+    const e = new Error(`${entry.error}: ${entry.reason}`);
+    e.statusCode = entry.error === 'conflict' ? 409 : 0;
+    throw e;
+  }
+  return entry;
+}
 
 const acked = [];
 const errors = [];
@@ -41,7 +57,7 @@ async function agent(i) {
     await pause(Math.random() * 4);
     for (let attempt = 0; attempt < 6; attempt++) {
       try {
-        const answer = await db.insert(doc);
+        const answer = await write(db, doc);
         answers.push(answer);
         acked.push(id);
         break;

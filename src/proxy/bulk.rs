@@ -1,0 +1,240 @@
+//! Several documents written in one request: CouchDB's `POST /{db}/_bulk_docs` with
+//! `{"docs": [...]}` (nano's `db.bulk`, PouchDB's `bulkDocs`). CouchDB writes each document on
+//! its own (one may fail while the others are written) and answers one entry per document, in
+//! order. The documents a write route names are taken out and written one by one as their
+//! `PUT`s (locked, merged, turn-checked); the others go to the store as a `_bulk_docs` of their
+//! own; the answer puts both back in the order of the request.
+
+use std::net::SocketAddr;
+
+use bytes::Bytes;
+use http::{header, HeaderValue, Method, Request, Response, StatusCode};
+use http_body_util::BodyExt;
+use serde_json::{json, Map, Value};
+
+use super::error::{EdgeError, Refusal};
+use super::named::{self, Named};
+use super::request::{read_whole, IDEMPOTENCY_KEY};
+use super::Proxy;
+use crate::http::Body;
+use crate::routes::Dialect;
+
+/// The body field listing the documents, and the flag that stores them as given (revisions
+/// and all: replication's writes, which a merge would change), as CouchDB names them.
+const DOCS: &str = "docs";
+const AS_GIVEN: &str = "new_edits";
+
+/// Whether `req` is a bulk write to a collection whose documents a write route names: its
+/// dialect, when so.
+pub fn is_bulk(proxy: &Proxy, req: &Request<Body>) -> Option<&'static Dialect> {
+    if req.method() != Method::POST {
+        return None;
+    }
+    let (_, dialect) = proxy.inner.routes.named_in_body()?;
+    let endpoint = dialect.bulk_endpoint?;
+    (named::last_name(req.uri().path()) == endpoint).then_some(dialect)
+}
+
+/// One document of the request.
+enum Part<'r> {
+    /// Written as its `PUT` on its route.
+    Session(Named<'r>),
+    /// Answered without being written.
+    Refused(Value),
+    /// Sent to the store in the remaining `_bulk_docs`.
+    Store,
+}
+
+impl Proxy {
+    /// Serves a bulk write (see the module's documentation).
+    pub(super) async fn bulk(&self, req: Request<Body>, dialect: &'static Dialect, peer: SocketAddr) -> Response<Body> {
+        let refuse = |e: EdgeError| super::dialect::refusal(dialect, Refusal::from(e));
+        if named::coded(req.headers()) {
+            return refuse(EdgeError::Invalid {
+                code: "unsupported_content_encoding",
+                message: "a bulk write here may write sessions' documents, so turnlock reads its body: send it \
+                          without Content-Encoding"
+                    .into(),
+            });
+        }
+        // Several documents: a few times the limit of one.
+        let max = self
+            .inner
+            .max_body
+            .document
+            .max(self.inner.max_body.body)
+            .saturating_mul(8);
+        let (parts, body) = req.into_parts();
+        let bytes = match read_whole(body, max).await {
+            Ok(bytes) => bytes,
+            Err(e) => return refuse(e),
+        };
+        let as_it_came = |parts: http::request::Parts, bytes: Bytes| {
+            let mut req = Request::from_parts(parts, crate::http::full(bytes));
+            fix_length(&mut req);
+            req
+        };
+        let Ok(Value::Object(mut request)) = serde_json::from_slice::<Value>(&bytes) else {
+            // Not a list of documents: the store refuses it.
+            return self.forward(as_it_came(parts, bytes), peer).await;
+        };
+        let Some(Value::Array(docs)) = request.remove(DOCS) else {
+            return self.forward(as_it_came(parts, bytes), peer).await;
+        };
+        let path = parts.uri.path();
+        let collection = path.strip_suffix('/').unwrap_or(path);
+        let collection = collection.rsplit_once('/').map_or("", |(c, _)| c);
+        let field = dialect.named_in_body.unwrap_or("_id");
+        let mut sessions = 0;
+        let mut split = Vec::with_capacity(docs.len());
+        for doc in &docs {
+            let part = match named::document_route(
+                &self.inner.routes,
+                collection,
+                parts.uri.query(),
+                &parts.headers,
+                doc,
+                field,
+            ) {
+                Ok(None) => Part::Store,
+                Ok(Some(named)) => {
+                    sessions += 1;
+                    if doc.get("_deleted") == Some(&Value::Bool(true)) {
+                        Part::Refused(json!({
+                            "id": named.id,
+                            "error": "forbidden",
+                            "reason": "a session's document is deleted by its DELETE, not in a bulk write: not deleted",
+                        }))
+                    } else {
+                        Part::Session(named)
+                    }
+                }
+                Err(ambiguous) => return refuse(EdgeError::AmbiguousPath(ambiguous)),
+            };
+            split.push(part);
+        }
+        if sessions == 0 {
+            return self.forward(as_it_came(parts, bytes), peer).await;
+        }
+        if request.get(AS_GIVEN) == Some(&Value::Bool(false)) {
+            return refuse(EdgeError::Invalid {
+                code: "bulk_as_given",
+                message: format!(
+                    "{AS_GIVEN}=false stores documents as given, past the merge, and {sessions} of these are \
+                     sessions' documents: write those through their own PUT"
+                ),
+            });
+        }
+        // The store's documents first, as one bulk write: a refusal of the whole (a missing
+        // database, no access) is the answer, and no session's document is written.
+        let mut entries: Vec<Option<Value>> = vec![None; docs.len()];
+        let others: Vec<&Value> = docs
+            .iter()
+            .zip(&split)
+            .filter(|(_, p)| matches!(p, Part::Store))
+            .map(|(d, _)| d)
+            .collect();
+        if !others.is_empty() {
+            let mut rest = request.clone();
+            rest.insert(DOCS.to_owned(), Value::Array(others.into_iter().cloned().collect()));
+            let rest = Bytes::from(serde_json::to_vec(&Value::Object(rest)).unwrap_or_default());
+            let res = self.forward(as_it_came(parts.clone(), rest), peer).await;
+            if !res.status().is_success() {
+                return res;
+            }
+            let Some(Value::Array(answered)) = json_of(res).await else {
+                return refuse(EdgeError::Forward(crate::upstream::UpstreamError::InvalidAnswer(
+                    "the store's answer to a bulk write is not a list of its documents' answers".into(),
+                )));
+            };
+            let at = split
+                .iter()
+                .enumerate()
+                .filter(|(_, p)| matches!(p, Part::Store))
+                .map(|(i, _)| i);
+            for (i, entry) in at.zip(answered) {
+                entries[i] = Some(entry);
+            }
+        }
+        let key = parts.headers.get(IDEMPOTENCY_KEY).cloned();
+        let writes = docs
+            .into_iter()
+            .zip(split)
+            .enumerate()
+            .filter_map(|(i, (doc, part))| match part {
+                Part::Session(Named {
+                    id,
+                    route,
+                    captures,
+                    uri,
+                }) => {
+                    let mut one = http::Request::new(crate::http::full(serde_json::to_vec(&doc).unwrap_or_default()));
+                    *one.method_mut() = Method::PUT;
+                    *one.uri_mut() = uri;
+                    *one.headers_mut() = parts.headers.clone();
+                    // A retried bulk write replays each document's own first answer.
+                    if let Some(key) = &key {
+                        let mut own = key.as_bytes().to_vec();
+                        own.extend_from_slice(format!(":{i}").as_bytes());
+                        match HeaderValue::from_bytes(&own) {
+                            Ok(own) => one.headers_mut().insert(IDEMPOTENCY_KEY, own),
+                            Err(_) => one.headers_mut().remove(IDEMPOTENCY_KEY),
+                        };
+                    }
+                    fix_length(&mut one);
+                    Some(async move {
+                        let res = self.write(route, captures, one, peer).await;
+                        (i, entry_of(&id, res).await)
+                    })
+                }
+                Part::Refused(entry) => {
+                    entries[i] = Some(entry);
+                    None
+                }
+                Part::Store => None,
+            });
+        for (i, entry) in futures_util::future::join_all(writes).await {
+            entries[i] = Some(entry);
+        }
+        let body = Value::Array(entries.into_iter().map(|e| e.unwrap_or(Value::Null)).collect());
+        let mut res = Response::new(crate::http::full(serde_json::to_vec(&body).unwrap_or_default()));
+        *res.status_mut() = StatusCode::CREATED;
+        res.headers_mut()
+            .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        res
+    }
+}
+
+/// The length of a body read whole, stated (it may have come chunked).
+fn fix_length(req: &mut Request<Body>) {
+    use http_body::Body as _;
+    let len = req.body().size_hint().exact().unwrap_or_default();
+    req.headers_mut().remove(header::TRANSFER_ENCODING);
+    req.headers_mut().insert(header::CONTENT_LENGTH, HeaderValue::from(len));
+}
+
+/// An answer's body as JSON, when it is.
+async fn json_of(res: Response<Body>) -> Option<Value> {
+    let bytes = res.into_body().collect().await.ok()?.to_bytes();
+    serde_json::from_slice(&bytes).ok()
+}
+
+/// A document's entry in a bulk answer, from the answer to its own `PUT`: CouchDB's
+/// `{"ok":true,"id":…,"rev":…}`, or `{"id":…,"error":…,"reason":…}`.
+async fn entry_of(id: &str, res: Response<Body>) -> Value {
+    let status = res.status();
+    match json_of(res).await {
+        Some(Value::Object(answer)) if status.is_success() => Value::Object(answer),
+        Some(Value::Object(mut answer)) => {
+            let mut entry = Map::new();
+            entry.insert("id".into(), Value::String(id.to_owned()));
+            for key in ["error", "reason", "turnlock_error"] {
+                if let Some(v) = answer.remove(key) {
+                    entry.insert(key.into(), v);
+                }
+            }
+            Value::Object(entry)
+        }
+        _ => json!({"id": id, "error": "unknown_error", "reason": format!("answered {status}")}),
+    }
+}
