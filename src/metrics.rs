@@ -99,6 +99,7 @@ pub const ERROR_CODES: &[&str] = &[
     "turn_mismatch",
     "unknown_field",
     "unknown_message",
+    "unsupported_charset",
     "unsupported_content_encoding",
     "unsupported_media_type",
     "unsupported_transfer_coding",

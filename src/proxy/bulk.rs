@@ -14,7 +14,7 @@ use serde_json::{json, Map, Value};
 
 use super::error::{EdgeError, Refusal};
 use super::named::{self, Named};
-use super::request::{read_whole, IDEMPOTENCY_KEY};
+use super::request::{self, read_whole, IDEMPOTENCY_KEY};
 use super::Proxy;
 use crate::http::Body;
 use crate::routes::Dialect;
@@ -39,8 +39,6 @@ pub fn is_bulk(proxy: &Proxy, req: &Request<Body>) -> Option<&'static Dialect> {
 enum Part<'r> {
     /// Written as its `PUT` on its route.
     Session(Named<'r>),
-    /// Answered without being written.
-    Refused(Value),
     /// Sent to the store in the remaining `_bulk_docs`.
     Store,
 }
@@ -74,9 +72,14 @@ impl Proxy {
             fix_length(&mut req);
             req
         };
-        let Ok(Value::Object(mut request)) = serde_json::from_slice::<Value>(&bytes) else {
-            // Not a list of documents: the store refuses it.
-            return self.forward(as_it_came(parts, bytes), peer).await;
+        // A body turnlock cannot read as a JSON object in UTF-8 is refused, not passed on (see
+        // `named::as_document_write`); one without a list of documents is the store's to refuse.
+        if let Err(e) = request::check_charset(&parts.headers) {
+            return refuse(e);
+        }
+        let mut request = match request::parse_object(&bytes) {
+            Ok(request) => request,
+            Err(refusal) => return super::dialect::refusal(dialect, refusal),
         };
         let Some(Value::Array(docs)) = request.remove(DOCS) else {
             return self.forward(as_it_came(parts, bytes), peer).await;
@@ -99,15 +102,7 @@ impl Proxy {
                 Ok(None) => Part::Store,
                 Ok(Some(named)) => {
                     sessions += 1;
-                    if doc.get("_deleted") == Some(&Value::Bool(true)) {
-                        Part::Refused(json!({
-                            "id": named.id,
-                            "error": "forbidden",
-                            "reason": "a session's document is deleted by its DELETE, not in a bulk write: not deleted",
-                        }))
-                    } else {
-                        Part::Session(named)
-                    }
+                    Part::Session(named)
                 }
                 Err(ambiguous) => return refuse(EdgeError::AmbiguousPath(ambiguous)),
             };
@@ -186,10 +181,6 @@ impl Proxy {
                         let res = self.write(route, captures, one, peer).await;
                         (i, entry_of(&id, res).await)
                     })
-                }
-                Part::Refused(entry) => {
-                    entries[i] = Some(entry);
-                    None
                 }
                 Part::Store => None,
             });

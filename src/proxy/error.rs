@@ -124,6 +124,9 @@ pub enum EdgeError {
     /// A write body that is not declared JSON.
     #[error("writes must be JSON (application/json or application/merge-patch+json), not {0:?}")]
     UnsupportedMediaType(String),
+    /// A body said to be in a character set other than UTF-8.
+    #[error("writes are JSON in UTF-8, not in {0:?}: send the body in UTF-8")]
+    UnsupportedCharset(String),
     /// A body over the write limit, declared or streamed.
     #[error("the body is larger than the limit of {limit} bytes")]
     BodyTooLarge { limit: usize },
@@ -176,6 +179,7 @@ impl From<EdgeError> for Refusal {
             EdgeError::WeakIfMatch => (StatusCode::PRECONDITION_FAILED, "version_mismatch", None),
             EdgeError::AnyButAbsent => (StatusCode::PRECONDITION_FAILED, "version_mismatch", None),
             EdgeError::UnsupportedMediaType(_) => (StatusCode::UNSUPPORTED_MEDIA_TYPE, "unsupported_media_type", None),
+            EdgeError::UnsupportedCharset(_) => (StatusCode::UNSUPPORTED_MEDIA_TYPE, "unsupported_charset", None),
             EdgeError::BodyTooLarge { limit } => (
                 StatusCode::PAYLOAD_TOO_LARGE,
                 "body_too_large",

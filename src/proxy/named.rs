@@ -17,7 +17,8 @@ const ID: &AsciiSet = &NON_ALPHANUMERIC.remove(b'-').remove(b'_').remove(b'~');
 
 /// `req` as the `PUT` of the document its body names, when that `PUT` is a write route's;
 /// else `req` as it came (its body read, when it had to be looked at). A refusal (a body too
-/// large or too slow to look at, one the proxy cannot read, a path the stores read two ways)
+/// large or too slow to look at, one that is not a JSON object in UTF-8, a path the stores
+/// read two ways)
 /// is answered in the dialect of the routes that made the body worth reading.
 pub async fn as_document_write(
     routes: &Routes,
@@ -56,12 +57,13 @@ pub async fn as_document_write(
     parts
         .headers
         .insert(header::CONTENT_LENGTH, HeaderValue::from(bytes.len()));
-    // No id (the store makes one up: a new document, no other writer's), a body the store
-    // refuses as it is not a JSON object, a document no write route names: passed on as it
-    // came.
-    let Ok(doc) = serde_json::from_slice::<serde_json::Value>(&bytes) else {
-        return Ok(Request::from_parts(parts, crate::http::full(bytes)));
-    };
+    // A body turnlock cannot read as a JSON object in UTF-8 is refused, not passed on: the
+    // store's reader may take what turnlock's refuses (a byte order mark, UTF-16, a lone
+    // surrogate, a number out of range, deep nesting) and find a session's document in it.
+    request::check_charset(&parts.headers).map_err(refuse)?;
+    let doc = serde_json::Value::Object(request::parse_object(&bytes).map_err(|r| (dialect, r))?);
+    // No id (the store makes one up: a new document, no other writer's), a document no write
+    // route names: passed on as it came.
     let path = parts.uri.path();
     let collection = path.strip_suffix('/').unwrap_or(path);
     match document_route(routes, collection, parts.uri.query(), &parts.headers, &doc, field) {
@@ -148,8 +150,8 @@ pub fn document_route<'r>(
 
 /// The field naming the document, and the dialect it belongs to, when `req` is a `POST` whose
 /// body may name a write route's document: not one the routes name themselves, not to a
-/// database's own resource (a last name starting with `_`: `_bulk_docs`, `_find`, `_purge`),
-/// and not a multipart upload (an attachment's form).
+/// database's own resource (a name after the first starting with `_`: `_bulk_docs`, `_find`,
+/// `_design/…/_update/…`), and not a multipart upload (an attachment's form).
 fn worth_reading(routes: &Routes, req: &Request<Body>) -> Option<(&'static str, &'static Dialect)> {
     if req.method() != Method::POST {
         return None;
@@ -158,7 +160,12 @@ fn worth_reading(routes: &Routes, req: &Request<Body>) -> Option<(&'static str, 
     if !matches!(routes.find(req.method(), req.uri().path()), Ok(None)) {
         return None;
     }
-    if last_name(req.uri().path()).starts_with('_') {
+    let resource = req.uri().path().trim_start_matches('/').split('/').skip(1).any(|name| {
+        percent_encoding::percent_decode_str(name)
+            .decode_utf8_lossy()
+            .starts_with('_')
+    });
+    if resource {
         return None;
     }
     let multipart = req.headers().get(header::CONTENT_TYPE).is_some_and(|v| {

@@ -107,6 +107,9 @@ pub struct Dialect {
     /// The last name of a collection's path to which a `POST` writes several documents, each
     /// named by [`Dialect::named_in_body`] (CouchDB's `_bulk_docs`).
     pub bulk_endpoint: Option<&'static str>,
+    /// A body field that makes a write the document's deletion (CouchDB's `_deleted`):
+    /// refused on a merged write, as a session's document is deleted by its `DELETE`.
+    pub deleting_field: Option<&'static str>,
 }
 
 pub const HTTP: Dialect = Dialect {
@@ -122,6 +125,7 @@ pub const HTTP: Dialect = Dialect {
     not_writes: &[],
     named_in_body: None,
     bulk_endpoint: None,
+    deleting_field: None,
 };
 
 pub const S3: Dialect = Dialect {
@@ -176,12 +180,15 @@ pub const S3: Dialect = Dialect {
     ],
     named_in_body: None,
     bulk_endpoint: None,
+    deleting_field: None,
 };
 
 pub const COUCHDB: Dialect = Dialect {
     name: "couchdb",
     version: VersionAt::BodyField("_rev"),
-    conflict_statuses: &[409, 412],
+    // 409 only: a 412 from a CouchDB-style store is no conflict (pouchdb-server's `missing_id`;
+    // turnlock sends it no `If-Match`).
+    conflict_statuses: &[409],
     managed_fields: &["_id", "_rev"],
     kept_headers: &[],
     dropped_headers: &["if-match"],
@@ -190,6 +197,7 @@ pub const COUCHDB: Dialect = Dialect {
     not_writes: &[NotAWrite::SessionPrefix("_"), NotAWrite::FirstSegmentPrefix("_")],
     named_in_body: Some("_id"),
     bulk_endpoint: Some("_bulk_docs"),
+    deleting_field: Some("_deleted"),
 };
 
 /// Whether `query` has each parameter of `group` (one written `name=` with a value), its

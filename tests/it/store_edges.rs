@@ -116,7 +116,7 @@ async fn s3_the_stores_refusals_are_its_own_answers_and_an_unreadable_object_is_
 struct Couch {
     direct: JsonClient,
     agent: JsonClient,
-    _sidecar: turnlock::sidecar::Running,
+    sidecar: turnlock::sidecar::Running,
     _routes: tempfile::NamedTempFile,
     _redis: RedisServer,
     _store: Server,
@@ -134,7 +134,7 @@ async fn couch(routes: &str) -> Couch {
     Couch {
         direct,
         agent,
-        _sidecar: sidecar,
+        sidecar,
         _routes: routes,
         _redis: redis,
         _store: store,
@@ -708,7 +708,9 @@ async fn a_method_override_that_would_make_a_write_is_refused() {
 /// A `POST` naming no session document (no `_id`, a design document) is the store's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn couchdb_a_post_naming_a_session_document_is_its_locked_write() {
-    let Couch { direct, agent, .. } = &couch(COUCHDB_ROUTES).await;
+    let Couch {
+        direct, agent, sidecar, ..
+    } = &couch(COUCHDB_ROUTES).await;
     let post = |path: &'static str, doc: Value, headers: Vec<(&'static str, String)>| async move {
         agent
             .send(Method::POST, path, Some(&doc), &headers)
@@ -798,6 +800,40 @@ async fn couchdb_a_post_naming_a_session_document_is_its_locked_write() {
     let r = post("//db", json!({"_id": "d", "turn": 9, "messages": []}), vec![]).await;
     assert_eq!(r.status, 400, "{:?}", r.json);
     assert_eq!(r.json["turnlock_error"], json!("ambiguous_path"), "{:?}", r.json);
+    // The store's own refusal of the write-back (pouchdb-server's 412 `missing_id` for the id
+    // `null`) is answered as it came, not re-read as a conflict until the deadline (503).
+    let r = post("/db", json!({"_id": "null", "turn": 1}), vec![]).await;
+    assert_eq!(r.status, 412, "{:?}", r.json);
+    let r = post("/db", json!({"_id": "d", "turn": 9, "_deleted": true}), vec![]).await;
+    assert_eq!(r.status, 400, "{:?}", r.json);
+    assert_eq!(r.json["turnlock_error"], json!("forbidden_field"), "{:?}", r.json);
+    // A body the store reads otherwise than turnlock (pouchdb-server decodes UTF-7 and skips a
+    // byte order mark), whether a POST or a PUT: refused.
+    let utf7 = br#"{"+AF8-id":"d","turn":9,"messages":[]}"#.to_vec();
+    let bom = [b"\xef\xbb\xbf".as_slice(), br#"{"_id":"d","turn":9,"messages":[]}"#].concat();
+    for (target, charset, body, status, code) in [
+        ("/db", "; charset=utf-7", &utf7, 415, "unsupported_charset"),
+        ("/db/d", "; charset=utf-7", &utf7, 415, "unsupported_charset"),
+        ("/db", "", &bom, 400, "malformed_json"),
+        (
+            "/db/_bulk_docs",
+            "",
+            &[b"{\"docs\":[".as_slice(), &bom, b"]}"].concat(),
+            400,
+            "malformed_json",
+        ),
+    ] {
+        let method = if target == "/db/d" { "PUT" } else { "POST" };
+        let head = format!(
+            "{method} {target} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json{charset}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+            body.len()
+        );
+        let answer = crate::support::send_raw(sidecar.addr, &[head.as_bytes(), body].concat()).await;
+        assert!(
+            answer.starts_with(&format!("HTTP/1.1 {status}")) && answer.contains(code),
+            "{method} {target}{charset}: {answer}"
+        );
+    }
     let stored = direct.send(Method::GET, "/db/d", None, &[]).await.expect("read").json;
     assert_eq!(message_ids(&stored), ["two", "three"], "{stored}");
 }
@@ -917,7 +953,7 @@ async fn couchdb_a_bulk_write_writes_sessions_documents_as_their_locked_puts() {
     let rev = read("/db/d").await["_rev"].as_str().expect("a _rev").to_owned();
     let r = bulk(json!({"docs": [{"_id": "d", "_rev": rev, "_deleted": true}]})).await;
     assert_eq!(r.status, 201, "{:?}", r.json);
-    assert_eq!(r.json[0]["error"], json!("forbidden"), "{:?}", r.json);
+    assert_eq!(r.json[0]["turnlock_error"], json!("forbidden_field"), "{:?}", r.json);
     assert_eq!(message_ids(&read("/db/d").await), ["two", "three"]);
     let r = bulk(json!({"new_edits": false, "docs": [{"_id": "d", "_rev": "9-abc", "messages": []}]})).await;
     assert_eq!(r.status, 400, "{:?}", r.json);

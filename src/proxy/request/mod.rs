@@ -314,6 +314,7 @@ pub async fn parse(
         }
         Mode::Merge { kind, document } => {
             let mut doc = parse_object(&bytes)?;
+            check_deletion(route.dialect, &doc)?;
             let body_turn = match &route.turn {
                 TurnSource::Body(pointer) if pointer == "/turn" => {
                     doc.remove("turn").map(|v| turn_from_json(&v)).transpose()
@@ -416,7 +417,43 @@ fn turn_field(turn: &TurnSource) -> Option<String> {
 
 /// A JSON body is declared JSON; on a store's own route (not `strict`) it may also come as
 /// object-store SDKs send any body: `application/octet-stream`, `binary/octet-stream` or untyped.
+/// A body field that would make a merged write the document's deletion at the store
+/// (CouchDB's `_deleted`): refused, as a session's document is deleted by its `DELETE`,
+/// ordered with the writes.
+pub(super) fn check_deletion(dialect: &crate::routes::Dialect, doc: &Map<String, Value>) -> Result<(), Refusal> {
+    match dialect.deleting_field.and_then(|f| Some((f, doc.get(f)?))) {
+        Some((field, v)) if *v != Value::Bool(false) && !v.is_null() => Err(bad(
+            "forbidden_field",
+            format!("`{field}` would delete the session's document past its lock: send its DELETE"),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// A body said to be in a character set other than UTF-8 (JSON's, RFC 8259): refused, as the
+/// store would read it in that set (pouchdb-server decodes `charset=utf-7`), and not as the
+/// JSON turnlock read, merged and wrote back.
+pub(super) fn check_charset(headers: &HeaderMap) -> Result<(), EdgeError> {
+    for value in headers.get_all(header::CONTENT_TYPE) {
+        let text = String::from_utf8_lossy(value.as_bytes());
+        for param in text.split(';').skip(1) {
+            let Some((name, charset)) = param.split_once('=') else {
+                continue;
+            };
+            let charset = charset.trim().trim_matches('"');
+            if name.trim().eq_ignore_ascii_case("charset")
+                && !charset.eq_ignore_ascii_case("utf-8")
+                && !charset.eq_ignore_ascii_case("utf8")
+            {
+                return Err(EdgeError::UnsupportedCharset(charset.to_owned()));
+            }
+        }
+    }
+    Ok(())
+}
+
 fn check_content_type(headers: &HeaderMap, strict: bool) -> Result<(), Refusal> {
+    check_charset(headers)?;
     let ct = headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
@@ -433,7 +470,7 @@ fn check_content_type(headers: &HeaderMap, strict: bool) -> Result<(), Refusal> 
     }
 }
 
-fn parse_object(bytes: &[u8]) -> Result<Map<String, Value>, Refusal> {
+pub(super) fn parse_object(bytes: &[u8]) -> Result<Map<String, Value>, Refusal> {
     match serde_json::from_slice::<Value>(bytes) {
         Ok(Value::Object(map)) => Ok(map),
         Ok(_) => Err(bad("invalid_body", "the body must be a JSON object")),
