@@ -14,7 +14,7 @@ use serde_json::{json, Map, Value};
 
 use super::error::{EdgeError, Refusal};
 use super::named::{self, Named};
-use super::request::{self, read_whole, IDEMPOTENCY_KEY};
+use super::request::IDEMPOTENCY_KEY;
 use super::Proxy;
 use crate::http::Body;
 use crate::routes::Dialect;
@@ -24,15 +24,15 @@ use crate::routes::Dialect;
 const DOCS: &str = "docs";
 const AS_GIVEN: &str = "new_edits";
 
-/// Whether `req` is a bulk write to a collection whose documents a write route names: its
-/// dialect, when so.
-pub fn is_bulk(proxy: &Proxy, req: &Request<Body>) -> Option<&'static Dialect> {
+/// Whether `req` is a bulk write to a collection whose documents a write route names: the
+/// body field naming each document, and the dialect, when so.
+pub fn is_bulk(proxy: &Proxy, req: &Request<Body>) -> Option<(&'static str, &'static Dialect)> {
     if req.method() != Method::POST {
         return None;
     }
-    let (_, dialect) = proxy.inner.routes.named_in_body()?;
+    let (field, dialect) = proxy.inner.routes.named_in_body()?;
     let endpoint = dialect.bulk_endpoint?;
-    (named::last_name(req.uri().path()) == endpoint).then_some(dialect)
+    (named::last_name(req.uri().path()) == endpoint).then_some((field, dialect))
 }
 
 /// One document of the request.
@@ -45,49 +45,28 @@ enum Part<'r> {
 
 impl Proxy {
     /// Serves a bulk write (see the module's documentation).
-    pub(super) async fn bulk(&self, req: Request<Body>, dialect: &'static Dialect, peer: SocketAddr) -> Response<Body> {
+    pub(super) async fn bulk(
+        &self,
+        req: Request<Body>,
+        (field, dialect): (&'static str, &'static Dialect),
+        peer: SocketAddr,
+    ) -> Response<Body> {
         let refuse = |e: EdgeError| super::dialect::refusal(dialect, Refusal::from(e));
-        if named::coded(req.headers()) {
-            return refuse(EdgeError::Invalid {
-                code: "unsupported_content_encoding",
-                message: "a bulk write here may write sessions' documents, so turnlock reads its body: send it \
-                          without Content-Encoding"
-                    .into(),
-            });
-        }
         // Several documents: a few times the limit of one.
-        let max = self
-            .inner
-            .max_body
-            .document
-            .max(self.inner.max_body.body)
-            .saturating_mul(8);
-        let (parts, body) = req.into_parts();
-        let bytes = match read_whole(body, max).await {
-            Ok(bytes) => bytes,
-            Err(e) => return refuse(e),
-        };
-        let as_it_came = |parts: http::request::Parts, bytes: Bytes| {
-            let mut req = Request::from_parts(parts, crate::http::full(bytes));
-            fix_length(&mut req);
-            req
-        };
-        // A body turnlock cannot read as a JSON object in UTF-8 is refused, not passed on (see
-        // `named::as_document_write`); one without a list of documents is the store's to refuse.
-        if let Err(e) = request::check_charset(&parts.headers) {
-            return refuse(e);
-        }
-        let mut request = match request::parse_object(&bytes) {
-            Ok(request) => request,
+        let limits = self.inner.max_body;
+        let max = limits.document.max(limits.body).saturating_mul(8);
+        // One without a list of documents is the store's to refuse.
+        let (parts, bytes, mut request) = match named::read_object(req, max).await {
+            Ok(read) => read,
             Err(refusal) => return super::dialect::refusal(dialect, refusal),
         };
+        let as_it_came = |parts, bytes| Request::from_parts(parts, crate::http::full(bytes));
         let Some(Value::Array(docs)) = request.remove(DOCS) else {
             return self.forward(as_it_came(parts, bytes), peer).await;
         };
         let path = parts.uri.path();
         let collection = path.strip_suffix('/').unwrap_or(path);
         let collection = collection.rsplit_once('/').map_or("", |(c, _)| c);
-        let field = dialect.named_in_body.unwrap_or("_id");
         let mut sessions = 0;
         let mut split = Vec::with_capacity(docs.len());
         for doc in &docs {
@@ -133,7 +112,10 @@ impl Proxy {
             let mut rest = request.clone();
             rest.insert(DOCS.to_owned(), Value::Array(others.into_iter().cloned().collect()));
             let rest = Bytes::from(serde_json::to_vec(&Value::Object(rest)).unwrap_or_default());
-            let res = self.forward(as_it_came(parts.clone(), rest), peer).await;
+            let rest_len = rest.len();
+            let mut rest = as_it_came(parts.clone(), rest);
+            named::state_length(rest.headers_mut(), rest_len);
+            let res = self.forward(rest, peer).await;
             if !res.status().is_success() {
                 return res;
             }
@@ -163,7 +145,9 @@ impl Proxy {
                     captures,
                     uri,
                 }) => {
-                    let mut one = http::Request::new(crate::http::full(serde_json::to_vec(&doc).unwrap_or_default()));
+                    let body = serde_json::to_vec(&doc).unwrap_or_default();
+                    let len = body.len();
+                    let mut one = http::Request::new(crate::http::full(body));
                     *one.method_mut() = Method::PUT;
                     *one.uri_mut() = uri;
                     *one.headers_mut() = parts.headers.clone();
@@ -176,7 +160,7 @@ impl Proxy {
                             Err(_) => one.headers_mut().remove(IDEMPOTENCY_KEY),
                         };
                     }
-                    fix_length(&mut one);
+                    named::state_length(one.headers_mut(), len);
                     Some(async move {
                         let res = self.write(route, captures, one, peer).await;
                         (i, entry_of(&id, res).await)
@@ -194,14 +178,6 @@ impl Proxy {
             .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
         res
     }
-}
-
-/// The length of a body read whole, stated (it may have come chunked).
-fn fix_length(req: &mut Request<Body>) {
-    use http_body::Body as _;
-    let len = req.body().size_hint().exact().unwrap_or_default();
-    req.headers_mut().remove(header::TRANSFER_ENCODING);
-    req.headers_mut().insert(header::CONTENT_LENGTH, HeaderValue::from(len));
 }
 
 /// An answer's body as JSON, when it is.

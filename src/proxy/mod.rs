@@ -106,11 +106,12 @@ impl Proxy {
             res.extensions_mut().insert(RouteName("invalid"));
             return res;
         }
-        // A write naming its document in its body (CouchDB's `POST /{db}` with an `_id`):
-        // the `PUT` of that document. Boxed: other requests' futures do not carry its state.
-        if let Some(dialect) = bulk::is_bulk(self, &req) {
+        // Writes naming their documents in the body: a bulk write (CouchDB's `_bulk_docs`), and
+        // a `POST /{db}` with an `_id` (the `PUT` of that document). Boxed: other requests'
+        // futures do not carry their state.
+        if let Some(bulk) = bulk::is_bulk(self, &req) {
             let peer = peer.unwrap_or(SocketAddr::from(([127, 0, 0, 1], 0)));
-            let mut res = Box::pin(self.bulk(req, dialect, peer)).await;
+            let mut res = Box::pin(self.bulk(req, bulk, peer)).await;
             res.extensions_mut().insert(RouteName("bulk"));
             return res;
         }

@@ -3,6 +3,7 @@
 //! document as its `PUT /{db}/{id}` does. Such a `POST`, when the `PUT` is a write route's,
 //! is taken through the write pipeline as that `PUT`, not past the lock.
 
+use bytes::Bytes;
 use http::{header, HeaderValue, Method, Request, Uri};
 use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
 
@@ -28,40 +29,10 @@ pub async fn as_document_write(
     let Some((field, dialect)) = worth_reading(routes, &req) else {
         return Ok(req);
     };
-    let refuse = |e: EdgeError| (dialect, Refusal::from(e));
-    // A coded body is refused rather than passed on unread: the store would decode it and
-    // might find a session's document named in it.
-    if coded(req.headers()) {
-        return Err(refuse(EdgeError::Invalid {
-            code: "unsupported_content_encoding",
-            message: format!(
-                "a POST here may write a session's document (named by its \"{field}\"), so turnlock reads \
-                 its body: send it without Content-Encoding"
-            ),
-        }));
-    }
     // The limit of a whole document's `PUT`: a body this POST stands for.
     let max = limits.body.max(limits.document);
-    let declared = req
-        .headers()
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > max as u64) {
-        return Err(refuse(EdgeError::BodyTooLarge { limit: max }));
-    }
-    let (mut parts, body) = req.into_parts();
-    let bytes = read_whole(body, max).await.map_err(refuse)?;
-    // Sent on with its length stated (it may have come chunked).
-    parts.headers.remove(header::TRANSFER_ENCODING);
-    parts
-        .headers
-        .insert(header::CONTENT_LENGTH, HeaderValue::from(bytes.len()));
-    // A body turnlock cannot read as a JSON object in UTF-8 is refused, not passed on: the
-    // store's reader may take what turnlock's refuses (a byte order mark, UTF-16, a lone
-    // surrogate, a number out of range, deep nesting) and find a session's document in it.
-    request::check_charset(&parts.headers).map_err(refuse)?;
-    let doc = serde_json::Value::Object(request::parse_object(&bytes).map_err(|r| (dialect, r))?);
+    let (mut parts, bytes, doc) = read_object(req, max).await.map_err(|r| (dialect, r))?;
+    let doc = serde_json::Value::Object(doc);
     // No id (the store makes one up: a new document, no other writer's), a document no write
     // route names: passed on as it came.
     let path = parts.uri.path();
@@ -76,6 +47,47 @@ pub async fn as_document_write(
         Ok(None) => Ok(Request::from_parts(parts, crate::http::full(bytes))),
         Err(ambiguous) => Err((dialect, EdgeError::AmbiguousPath(ambiguous).into())),
     }
+}
+
+/// A body that may name a session's document, read whole as a JSON object in UTF-8, with
+/// `parts` stating its length (it may have come chunked). Refused rather than passed on unread
+/// when it is coded (the store would decode it), larger than `max`, too slow, in another
+/// character set, or not a JSON object to turnlock: the store's reader may take what
+/// turnlock's refuses (a byte order mark, UTF-16, a lone surrogate, a number out of range,
+/// deep nesting) and find a session's document in it.
+pub async fn read_object(
+    req: Request<Body>,
+    max: usize,
+) -> Result<(http::request::Parts, Bytes, serde_json::Map<String, serde_json::Value>), Refusal> {
+    if coded(req.headers()) {
+        return Err(EdgeError::Invalid {
+            code: "unsupported_content_encoding",
+            message: "this request may write a session's document, so turnlock reads its body: send it \
+                      without Content-Encoding"
+                .into(),
+        }
+        .into());
+    }
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > max as u64) {
+        return Err(EdgeError::BodyTooLarge { limit: max }.into());
+    }
+    let (mut parts, body) = req.into_parts();
+    let bytes = read_whole(body, max).await?;
+    state_length(&mut parts.headers, bytes.len());
+    request::check_charset(&parts.headers)?;
+    let doc = request::parse_object(&bytes)?;
+    Ok((parts, bytes, doc))
+}
+
+/// States a body's length, read whole, in place of any chunked framing it came with.
+pub fn state_length(headers: &mut http::HeaderMap, len: usize) {
+    headers.remove(header::TRANSFER_ENCODING);
+    headers.insert(header::CONTENT_LENGTH, HeaderValue::from(len));
 }
 
 /// The last name of a path (before one trailing `/`), percent-decoded as CouchDB reads it.

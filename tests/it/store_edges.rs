@@ -711,18 +711,10 @@ async fn couchdb_a_post_naming_a_session_document_is_its_locked_write() {
     let Couch {
         direct, agent, sidecar, ..
     } = &couch(COUCHDB_ROUTES).await;
-    let post = |path: &'static str, doc: Value, headers: Vec<(&'static str, String)>| async move {
-        agent
-            .send(Method::POST, path, Some(&doc), &headers)
-            .await
-            .expect("post")
+    let post = |path: &'static str, doc: Value| async move {
+        agent.send(Method::POST, path, Some(&doc), &[]).await.expect("post")
     };
-    let r = post(
-        "/db",
-        json!({"_id": "d", "turn": 2, "messages": [{"id": "two"}]}),
-        vec![],
-    )
-    .await;
+    let r = post("/db", json!({"_id": "d", "turn": 2, "messages": [{"id": "two"}]})).await;
     assert_eq!(r.status, 201, "{:?}", r.json);
     assert_eq!(
         (&r.json["ok"], &r.json["id"]),
@@ -731,32 +723,17 @@ async fn couchdb_a_post_naming_a_session_document_is_its_locked_write() {
         r.json
     );
     // An older turn is refused as the PUT's would be: nothing written.
-    let r = post(
-        "/db",
-        json!({"_id": "d", "turn": 1, "messages": [{"id": "one"}]}),
-        vec![],
-    )
-    .await;
+    let r = post("/db", json!({"_id": "d", "turn": 1, "messages": [{"id": "one"}]})).await;
     assert_eq!(r.status, 409, "{:?}", r.json);
     assert_eq!(r.json["turnlock_error"], json!("stale_turn"), "{:?}", r.json);
     // Without a `_rev`, merged (CouchDB itself would answer 409 and write nothing).
-    let r = post(
-        "/db/",
-        json!({"_id": "d", "turn": 3, "messages": [{"id": "three"}]}),
-        vec![],
-    )
-    .await;
+    let r = post("/db/", json!({"_id": "d", "turn": 3, "messages": [{"id": "three"}]})).await;
     assert_eq!(r.status, 201, "{:?}", r.json);
     let stored = direct.send(Method::GET, "/db/d", None, &[]).await.expect("read").json;
     assert_eq!(message_ids(&stored), ["two", "three"], "{stored}");
 
     // An id that is no single name of a path: escaped, the document is the one named.
-    let r = post(
-        "/db",
-        json!({"_id": "a/b c.d", "turn": 1, "messages": [{"id": "x"}]}),
-        vec![],
-    )
-    .await;
+    let r = post("/db", json!({"_id": "a/b c.d", "turn": 1, "messages": [{"id": "x"}]})).await;
     assert_eq!(r.status, 201, "{:?}", r.json);
     assert_eq!(r.json["id"], json!("a/b c.d"), "{:?}", r.json);
     let stored = direct
@@ -770,7 +747,7 @@ async fn couchdb_a_post_naming_a_session_document_is_its_locked_write() {
         (json!({"_id": "_design/v", "views": {}}), Some("_design/v")),
         (json!({"turn": 1, "messages": [{"id": "y"}]}), None),
     ] {
-        let r = post("/db", doc.clone(), vec![]).await;
+        let r = post("/db", doc.clone()).await;
         assert_eq!(r.status, 201, "{doc}: {:?}", r.json);
         let id = id.map_or_else(|| r.json["id"].as_str().expect("an id").to_owned(), str::to_owned);
         let path = format!("/db/{}", id.replace('/', "%2F"));
@@ -784,12 +761,15 @@ async fn couchdb_a_post_naming_a_session_document_is_its_locked_write() {
     }
 
     // Refused rather than passed on unread: a coded body, a path the stores read two ways.
-    let r = post(
-        "/db",
-        json!({"_id": "d"}),
-        vec![("content-encoding", "gzip".to_owned())],
-    )
-    .await;
+    let r = agent
+        .send(
+            Method::POST,
+            "/db",
+            Some(&json!({"_id": "d"})),
+            &[("content-encoding", "gzip".to_owned())],
+        )
+        .await
+        .expect("post");
     assert_eq!(r.status, 400, "{:?}", r.json);
     assert_eq!(
         r.json["turnlock_error"],
@@ -797,14 +777,14 @@ async fn couchdb_a_post_naming_a_session_document_is_its_locked_write() {
         "{:?}",
         r.json
     );
-    let r = post("//db", json!({"_id": "d", "turn": 9, "messages": []}), vec![]).await;
+    let r = post("//db", json!({"_id": "d", "turn": 9, "messages": []})).await;
     assert_eq!(r.status, 400, "{:?}", r.json);
     assert_eq!(r.json["turnlock_error"], json!("ambiguous_path"), "{:?}", r.json);
     // The store's own refusal of the write-back (pouchdb-server's 412 `missing_id` for the id
     // `null`) is answered as it came, not re-read as a conflict until the deadline (503).
-    let r = post("/db", json!({"_id": "null", "turn": 1}), vec![]).await;
+    let r = post("/db", json!({"_id": "null", "turn": 1})).await;
     assert_eq!(r.status, 412, "{:?}", r.json);
-    let r = post("/db", json!({"_id": "d", "turn": 9, "_deleted": true}), vec![]).await;
+    let r = post("/db", json!({"_id": "d", "turn": 9, "_deleted": true})).await;
     assert_eq!(r.status, 400, "{:?}", r.json);
     assert_eq!(r.json["turnlock_error"], json!("forbidden_field"), "{:?}", r.json);
     // A body the store reads otherwise than turnlock (pouchdb-server decodes UTF-7 and skips a
