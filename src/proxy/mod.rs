@@ -473,8 +473,15 @@ const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 
 fn append_forwarded_for(headers: &mut http::HeaderMap, peer: SocketAddr) {
     let ip = peer.ip();
-    let mut prior = headers
-        .get_all(&X_FORWARDED_FOR)
+    // The name hashed once: most requests come with no prior hop.
+    let mut entry = match headers.entry(X_FORWARDED_FOR) {
+        http::header::Entry::Vacant(vacant) => {
+            vacant.insert(forwarded_ip(ip));
+            return;
+        }
+        http::header::Entry::Occupied(entry) => entry,
+    };
+    let mut prior = entry
         .iter()
         .map(HeaderValue::as_bytes)
         .filter(|v| !v.iter().all(u8::is_ascii_whitespace));
@@ -491,7 +498,7 @@ fn append_forwarded_for(headers: &mut http::HeaderMap, peer: SocketAddr) {
         }
     };
     if let Some(v) = value {
-        headers.insert(X_FORWARDED_FOR, v);
+        entry.insert(v);
     }
 }
 
@@ -532,6 +539,11 @@ fn write_by_override(
     routes: &crate::routes::Routes,
     req: &Request<Body>,
 ) -> Option<(&'static crate::routes::Dialect, EdgeError)> {
+    // One pass over the names present (usually a handful): most requests name none of the
+    // overrides, and a lookup of each would hash its name.
+    if !req.headers().keys().any(|name| METHOD_OVERRIDES.contains(name)) {
+        return None;
+    }
     for name in &METHOD_OVERRIDES {
         // Every line and every item of a list: a store or framework may read any of them
         // (Express's method-override takes a list's first, others the last line).
