@@ -52,6 +52,11 @@ const COUCHDB_CODES: &[(&str, u16, &str)] = &[
     ("body_too_large", 413, "too_large"),
     ("document_too_large", 413, "too_large"),
     ("upstream_invalid_document", 409, "invalid_document"),
+    // CouchDB's own names for these: its answer to a body that is not JSON in UTF-8, and the
+    // name of the status of a body the client stopped sending.
+    ("unsupported_media_type", 415, "bad_content_type"),
+    ("unsupported_charset", 415, "bad_content_type"),
+    ("body_timeout", 408, "request_timeout"),
 ];
 
 fn store_error(table: &[(&str, u16, &'static str)], code: &str, status: StatusCode, s3: bool) -> StoreError {
@@ -236,6 +241,17 @@ mod tests {
             (409, "ConditionalRequestConflict")
         );
         assert_eq!(s3("invalid_turn", 400).code, "InvalidRequest");
+    }
+
+    #[test]
+    fn couchdb_refusals_carry_couchdb_error_names() {
+        let couch = |code, status| store_error(COUCHDB_CODES, code, StatusCode::from_u16(status).unwrap(), false);
+        let charset = couch("unsupported_charset", 415);
+        assert_eq!((charset.status.as_u16(), charset.code), (415, "bad_content_type"));
+        let slow = couch("body_timeout", 408);
+        assert_eq!((slow.status.as_u16(), slow.code), (408, "request_timeout"));
+        assert_eq!(couch("invalid_turn", 400).code, "bad_request");
+        assert_eq!(couch("session_busy", 503).code, "service_unavailable");
     }
 
     #[test]

@@ -813,6 +813,11 @@ async fn couchdb_a_post_naming_a_session_document_is_its_locked_write() {
             answer.starts_with(&format!("HTTP/1.1 {status}")) && answer.contains(code),
             "{method} {target}{charset}: {answer}"
         );
+        // Named as CouchDB names its refusal of a body's content type.
+        assert!(
+            status != 415 || answer.contains(r#""error":"bad_content_type""#),
+            "{method} {target}{charset}: {answer}"
+        );
     }
     let stored = direct.send(Method::GET, "/db/d", None, &[]).await.expect("read").json;
     assert_eq!(message_ids(&stored), ["two", "three"], "{stored}");
