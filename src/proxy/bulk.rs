@@ -17,7 +17,7 @@ use super::named::{self, Named};
 use super::request::IDEMPOTENCY_KEY;
 use super::Proxy;
 use crate::http::Body;
-use crate::routes::Dialect;
+use crate::routes::{Captures, Dialect, Route};
 
 /// The body field listing the documents, and the flag that stores them as given (revisions
 /// and all: replication's writes, which a merge would change), as CouchDB names them.
@@ -34,6 +34,10 @@ pub fn is_bulk(proxy: &Proxy, req: &Request<Body>) -> Option<(&'static str, &'st
     let endpoint = dialect.bulk_endpoint?;
     (named::last_name(req.uri().path()) == endpoint).then_some((field, dialect))
 }
+
+/// A session document's entry as its own write: its place in the request, its id, its
+/// route, the route's captures and its `PUT`.
+type EntryWrite<'r> = (usize, String, &'r Route, Captures, Request<Body>);
 
 /// One document of the request.
 enum Part<'r> {
@@ -90,12 +94,14 @@ impl Proxy {
         if sessions == 0 {
             return self.forward(as_it_came(parts, bytes), peer).await;
         }
-        if request.get(AS_GIVEN) == Some(&Value::Bool(false)) {
+        // Anything but `true` may be read as `false` (pouchdb-server takes `0`, `null` and `""`
+        // so): refused as `false` is.
+        if let Some(as_given) = request.get(AS_GIVEN).filter(|v| **v != Value::Bool(true)) {
             return refuse(EdgeError::Invalid {
                 code: "bulk_as_given",
                 message: format!(
-                    "{AS_GIVEN}=false stores documents as given, past the merge, and {sessions} of these are \
-                     sessions' documents: write those through their own PUT"
+                    "{AS_GIVEN}={as_given} may store documents as given, past the merge, and {sessions} of \
+                     these are sessions' documents: write those through their own PUT ({AS_GIVEN} true or absent)"
                 ),
             });
         }
@@ -134,7 +140,7 @@ impl Proxy {
             }
         }
         let key = parts.headers.get(IDEMPOTENCY_KEY).cloned();
-        let writes = docs
+        let writes: Vec<EntryWrite<'_>> = docs
             .into_iter()
             .zip(split)
             .enumerate()
@@ -161,14 +167,33 @@ impl Proxy {
                         };
                     }
                     named::state_length(one.headers_mut(), len);
-                    Some(async move {
-                        let res = self.write(route, captures, one, peer).await;
-                        (i, entry_of(&id, res).await)
-                    })
+                    Some((i, id, route, captures, one))
                 }
                 Part::Store => None,
-            });
-        for (i, entry) in futures_util::future::join_all(writes).await {
+            })
+            .collect();
+        // Each document's entries one after the other, in the request's order (CouchDB
+        // applies a list naming one document twice in its order: a later turn does not go
+        // first and refuse the earlier one as stale); different documents at once.
+        let mut by_document: Vec<Vec<EntryWrite<'_>>> = Vec::new();
+        for write in writes {
+            match by_document
+                .iter_mut()
+                .find(|group| group[0].4.uri().path() == write.4.uri().path())
+            {
+                Some(group) => group.push(write),
+                None => by_document.push(vec![write]),
+            }
+        }
+        let documents = by_document.into_iter().map(|group| async move {
+            let mut answered = Vec::with_capacity(group.len());
+            for (i, id, route, captures, one) in group {
+                let res = self.write(route, captures, one, peer).await;
+                answered.push((i, entry_of(&id, res).await));
+            }
+            answered
+        });
+        for (i, entry) in futures_util::future::join_all(documents).await.into_iter().flatten() {
             entries[i] = Some(entry);
         }
         let body = Value::Array(entries.into_iter().map(|e| e.unwrap_or(Value::Null)).collect());

@@ -28,6 +28,7 @@ mod layers;
 mod named;
 mod passthrough;
 mod pipeline;
+mod replicate;
 mod request;
 
 pub use self::error::{EdgeError, WriteError};
@@ -106,6 +107,21 @@ impl Proxy {
             res.extensions_mut().insert(RouteName("invalid"));
             return res;
         }
+        // A replication into a database of sessions' documents would replace them as given.
+        let req = match replicate::is_replication(&inner.routes, &req) {
+            Some(dialect) => {
+                let max = inner.max_body.document.max(inner.max_body.body);
+                match Box::pin(replicate::checked(&inner.routes, req, max)).await {
+                    Ok(req) => req,
+                    Err(refused) => {
+                        let mut res = dialect::refusal(dialect, refused);
+                        res.extensions_mut().insert(RouteName("invalid"));
+                        return res;
+                    }
+                }
+            }
+            None => req,
+        };
         // Writes naming their documents in the body: a bulk write (CouchDB's `_bulk_docs`), and
         // a `POST /{db}` with an `_id` (the `PUT` of that document). Boxed: other requests'
         // futures do not carry their state.

@@ -110,6 +110,9 @@ pub struct Dialect {
     /// A body field that makes a write the document's deletion (CouchDB's `_deleted`):
     /// refused on a merged write, as a session's document is deleted by its `DELETE`.
     pub deleting_field: Option<&'static str>,
+    /// The first names of paths whose writes start a replication (CouchDB's `_replicate` and
+    /// `_replicator`): one whose target holds write routes' documents is refused.
+    pub replication: &'static [&'static str],
 }
 
 pub const HTTP: Dialect = Dialect {
@@ -126,6 +129,7 @@ pub const HTTP: Dialect = Dialect {
     named_in_body: None,
     bulk_endpoint: None,
     deleting_field: None,
+    replication: &[],
 };
 
 pub const S3: Dialect = Dialect {
@@ -181,6 +185,7 @@ pub const S3: Dialect = Dialect {
     named_in_body: None,
     bulk_endpoint: None,
     deleting_field: None,
+    replication: &[],
 };
 
 pub const COUCHDB: Dialect = Dialect {
@@ -191,13 +196,17 @@ pub const COUCHDB: Dialect = Dialect {
     conflict_statuses: &[409],
     managed_fields: &["_id", "_rev"],
     kept_headers: &[],
-    dropped_headers: &["if-match"],
+    // The write-back is JSON, and sent as such: CouchDB servers read a document only from a
+    // body typed `application/json` (pouchdb-server stores `{}` from any other type, and
+    // answers an update of an existing document 409, a conflict no re-read resolves).
+    dropped_headers: &["if-match", "content-type"],
     answer: AnswerForm::Couchdb,
     names: Names::CouchIds,
     not_writes: &[NotAWrite::SessionPrefix("_"), NotAWrite::FirstSegmentPrefix("_")],
     named_in_body: Some("_id"),
     bulk_endpoint: Some("_bulk_docs"),
     deleting_field: Some("_deleted"),
+    replication: &["_replicate", "_replicator"],
 };
 
 /// Whether `query` has each parameter of `group` (one written `name=` with a value), its

@@ -119,7 +119,7 @@ struct Couch {
     sidecar: turnlock::sidecar::Running,
     _routes: tempfile::NamedTempFile,
     _redis: RedisServer,
-    _store: Server,
+    store: Server,
 }
 
 async fn couch(routes: &str) -> Couch {
@@ -137,7 +137,7 @@ async fn couch(routes: &str) -> Couch {
         sidecar,
         _routes: routes,
         _redis: redis,
-        _store: store,
+        store,
     }
 }
 
@@ -823,6 +823,143 @@ async fn couchdb_a_post_naming_a_session_document_is_its_locked_write() {
     assert_eq!(message_ids(&stored), ["two", "three"], "{stored}");
 }
 
+/// A CouchDB write whose body came typed otherwise than `application/json` (a client's
+/// `application/octet-stream`, a `+json` type, an empty `Content-Type`) is written back as
+/// JSON: the store holds what was acknowledged, and an update of an existing document
+/// applies rather than meeting a conflict no re-read resolves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn couchdb_a_write_in_any_content_type_is_written_back_as_json() {
+    let Couch { direct, sidecar, .. } = &couch(COUCHDB_ROUTES).await;
+    for (i, content_type) in ["application/octet-stream", "application/merge-patch+json", ""]
+        .into_iter()
+        .enumerate()
+    {
+        let write = |method: &str, target: &str, body: String| {
+            let head = format!(
+                "{method} {target} HTTP/1.1\r\nhost: x\r\ncontent-type: {content_type}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+                body.len()
+            );
+            let bytes = [head.into_bytes(), body.into_bytes()].concat();
+            async move { crate::support::send_raw(sidecar.addr, &bytes).await }
+        };
+        let doc = format!("ct{i}");
+        let put = format!("/db/{doc}");
+        let answer = write("PUT", &put, r#"{"turn":1,"messages":[{"id":"a"}]}"#.to_owned()).await;
+        assert!(answer.starts_with("HTTP/1.1 201"), "{content_type:?} create: {answer}");
+        let answer = write("PUT", &put, r#"{"turn":2,"messages":[{"id":"b"}]}"#.to_owned()).await;
+        assert!(answer.starts_with("HTTP/1.1 201"), "{content_type:?} update: {answer}");
+        let body = format!(r#"{{"_id":"{doc}","turn":3,"messages":[{{"id":"c"}}]}}"#);
+        let answer = write("POST", "/db", body).await;
+        assert!(answer.starts_with("HTTP/1.1 201"), "{content_type:?} post: {answer}");
+        let body = format!(r#"{{"docs":[{{"_id":"{doc}","turn":4,"messages":[{{"id":"d"}}]}}]}}"#);
+        let answer = write("POST", "/db/_bulk_docs", body).await;
+        assert!(answer.starts_with("HTTP/1.1 201"), "{content_type:?} bulk: {answer}");
+        let stored = direct.send(Method::GET, &put, None, &[]).await.expect("read").json;
+        assert_eq!(message_ids(&stored), ["a", "b", "c", "d"], "{content_type:?}: {stored}");
+        assert_eq!(stored["turn"], json!(4), "{content_type:?}: {stored}");
+    }
+}
+
+/// A replication writes its source's documents into its target as given, past the merge and
+/// the turn check: through the sidecar, one into a database of sessions' documents is refused
+/// (by name, URL or `{"url"}`, as `POST /_replicate` or a `_replicator` document); one into
+/// a database no write route names is the store's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn couchdb_a_replication_into_sessions_documents_is_refused() {
+    let routes = COUCHDB_ROUTES.replace("/{db}/{session}", "/sessions/{session}");
+    let Couch {
+        direct, agent, store, ..
+    } = &couch(&routes).await;
+    for db in ["/sessions", "/source", "/backup"] {
+        let r = direct.send(Method::PUT, db, None, &[]).await.expect("create db");
+        assert!(r.status.is_success(), "{db}: {}", r.status);
+    }
+    let r = agent
+        .send(
+            Method::PUT,
+            "/sessions/s",
+            Some(&json!({"turn": 3, "messages": [{"id": "c1"}]})),
+            &[],
+        )
+        .await
+        .expect("write");
+    assert_eq!(r.status, 201, "{:?}", r.json);
+    // A higher revision of the same document in the source, as a replication would carry it.
+    let as_given = json!({"new_edits": false, "docs": [
+        {"_id": "s", "_rev": "50-aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa", "turn": 0, "messages": []}
+    ]});
+    let r = direct
+        .send(Method::POST, "/source/_bulk_docs", Some(&as_given), &[])
+        .await
+        .expect("seed");
+    assert!(r.status.is_success(), "{:?}", r.json);
+    let store_url = store.url();
+    for (method, path, body) in [
+        (
+            Method::POST,
+            "/_replicate",
+            json!({"source": "source", "target": "sessions"}),
+        ),
+        (
+            Method::POST,
+            "/_replicate",
+            json!({"source": "source", "target": format!("{store_url}/sessions/")}),
+        ),
+        (
+            Method::POST,
+            "/_replicate",
+            json!({"source": "source", "target": {"url": format!("{store_url}/sessions")}}),
+        ),
+        (
+            Method::PUT,
+            "/_replicator/r1",
+            json!({"source": "source", "target": "sessions"}),
+        ),
+        (
+            Method::POST,
+            "/%5Freplicator",
+            json!({"source": "source", "target": "sessions"}),
+        ),
+        (
+            Method::POST,
+            "/_replicator/_bulk_docs",
+            json!({"docs": [{"source": "source", "target": "sessions"}]}),
+        ),
+    ] {
+        let r = agent
+            .send(method.clone(), path, Some(&body), &[])
+            .await
+            .expect("replicate");
+        assert_eq!(r.status, 400, "{method} {path} {body}: {:?}", r.json);
+        assert_eq!(
+            r.json["turnlock_error"],
+            json!("replication_into_sessions"),
+            "{:?}",
+            r.json
+        );
+    }
+    let stored = direct
+        .send(Method::GET, "/sessions/s", None, &[])
+        .await
+        .expect("read")
+        .json;
+    assert_eq!(message_ids(&stored), ["c1"], "{stored}");
+    assert_eq!(stored["turn"], json!(3), "{stored}");
+    // Into a database of no write route: the store's replication.
+    let r = agent
+        .send(
+            Method::POST,
+            "/_replicate",
+            Some(&json!({"source": "source", "target": "backup"})),
+            &[],
+        )
+        .await
+        .expect("replicate");
+    assert!(r.status.is_success(), "{:?}", r.json);
+    let copied = direct.send(Method::GET, "/backup/s", None, &[]).await.expect("read");
+    assert_eq!(copied.status, 200, "{:?}", copied.json);
+}
+
 /// A write's log line states the status its client got, in the route's dialect: CouchDB's
 /// `201` for a merged write of a document that existed, not the `200` of turnlock's own answer
 /// it was made from.
@@ -944,6 +1081,35 @@ async fn couchdb_a_bulk_write_writes_sessions_documents_as_their_locked_puts() {
     assert_eq!(r.status, 400, "{:?}", r.json);
     assert_eq!(r.json["turnlock_error"], json!("bulk_as_given"), "{:?}", r.json);
     assert_eq!(message_ids(&read("/db/d").await), ["two", "three"]);
+    for as_given in [json!(0), Value::Null, json!(""), json!("false")] {
+        let r = bulk(json!({"new_edits": as_given, "docs": [{"_id": "d", "_rev": "9-abc", "messages": []}]})).await;
+        assert_eq!(r.status, 400, "{as_given}: {:?}", r.json);
+        assert_eq!(r.json["turnlock_error"], json!("bulk_as_given"), "{:?}", r.json);
+    }
+    assert_eq!(message_ids(&read("/db/d").await), ["two", "three"]);
     let r = bulk(json!({"new_edits": false, "docs": [{"_id": "_local/x", "_rev": "0-1", "y": 2}]})).await;
     assert!(r.status.is_success(), "{:?}", r.json);
+
+    // One document listed several times, at rising turns: written in the list's order, each
+    // entry applied (none refused as older than a later entry that went first).
+    for round in 0..8 {
+        let id = format!("ordered-{round}");
+        let docs: Vec<Value> = (1..=5)
+            .map(|turn| json!({"_id": id, "turn": turn, "messages": [{"id": format!("m{turn}")}]}))
+            .collect();
+        let r = bulk(json!({ "docs": docs })).await;
+        assert_eq!(r.status, 201, "{:?}", r.json);
+        let entries = r.json.as_array().expect("entries");
+        assert!(
+            entries.iter().all(|e| e["ok"] == json!(true)),
+            "round {round}: {:?}",
+            r.json
+        );
+        let stored = direct
+            .send(Method::GET, &format!("/db/{id}"), None, &[])
+            .await
+            .expect("read")
+            .json;
+        assert_eq!(message_ids(&stored), ["m1", "m2", "m3", "m4", "m5"], "{stored}");
+    }
 }
