@@ -14,7 +14,7 @@ use serde_json::{json, Map, Value};
 
 use super::error::{EdgeError, Refusal};
 use super::named::{self, Named};
-use super::request::IDEMPOTENCY_KEY;
+use super::request::{valid_idempotency_key, EntryKey, IDEMPOTENCY_KEY, MAX_IDEMPOTENCY_KEY_LEN};
 use super::Proxy;
 use crate::http::Body;
 use crate::routes::{Captures, Dialect, Route};
@@ -140,6 +140,12 @@ impl Proxy {
             }
         }
         let key = parts.headers.get(IDEMPOTENCY_KEY).cloned();
+        if key.as_ref().is_some_and(|k| !valid_idempotency_key(k)) {
+            return refuse(EdgeError::Invalid {
+                code: "invalid_idempotency_key",
+                message: format!("Idempotency-Key must be 1 to {MAX_IDEMPOTENCY_KEY_LEN} bytes"),
+            });
+        }
         let writes: Vec<EntryWrite<'_>> = docs
             .into_iter()
             .zip(split)
@@ -158,13 +164,9 @@ impl Proxy {
                     *one.uri_mut() = uri;
                     *one.headers_mut() = parts.headers.clone();
                     // A retried bulk write replays each document's own first answer.
+                    one.headers_mut().remove(IDEMPOTENCY_KEY);
                     if let Some(key) = &key {
-                        let mut own = key.as_bytes().to_vec();
-                        own.extend_from_slice(format!(":{i}").as_bytes());
-                        match HeaderValue::from_bytes(&own) {
-                            Ok(own) => one.headers_mut().insert(IDEMPOTENCY_KEY, own),
-                            Err(_) => one.headers_mut().remove(IDEMPOTENCY_KEY),
-                        };
+                        one.extensions_mut().insert(EntryKey::of(key.as_bytes(), i));
                     }
                     named::state_length(one.headers_mut(), len);
                     Some((i, id, route, captures, one))

@@ -1090,6 +1090,42 @@ async fn couchdb_a_bulk_write_writes_sessions_documents_as_their_locked_puts() {
     let r = bulk(json!({"new_edits": false, "docs": [{"_id": "_local/x", "_rev": "0-1", "y": 2}]})).await;
     assert!(r.status.is_success(), "{:?}", r.json);
 
+    // A bulk write's key names its entries' records, and no single write's key names them:
+    // `KZ` for a bulk and `KZ:0` for a write of its first document are two requests.
+    let keyed = json!({"docs": [{"_id": "keyed", "turn": 1, "messages": [{"id": "k1"}]}]});
+    let r = agent
+        .send(
+            Method::POST,
+            "/db/_bulk_docs",
+            Some(&keyed),
+            &[("idempotency-key", "KZ".to_owned())],
+        )
+        .await
+        .expect("bulk");
+    assert_eq!(r.json[0]["ok"], json!(true), "{:?}", r.json);
+    let r = agent
+        .send(
+            Method::POST,
+            "/db/_bulk_docs",
+            Some(&keyed),
+            &[("idempotency-key", "KZ".to_owned())],
+        )
+        .await
+        .expect("bulk again");
+    assert_eq!(r.json[0]["ok"], json!(true), "the replay: {:?}", r.json);
+    let single = json!({"turn": 2, "messages": [{"id": "k2"}]});
+    let r = agent
+        .send(
+            Method::PUT,
+            "/db/keyed",
+            Some(&single),
+            &[("idempotency-key", "KZ:0".to_owned())],
+        )
+        .await
+        .expect("write");
+    assert_eq!(r.status, 201, "{:?}", r.json);
+    assert_eq!(message_ids(&read("/db/keyed").await), ["k1", "k2"]);
+
     // One document listed several times, at rising turns: written in the list's order, each
     // entry applied (none refused as older than a later entry that went first).
     for round in 0..8 {

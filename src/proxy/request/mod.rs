@@ -20,11 +20,31 @@ use self::op::build_op;
 pub const SESSION_TURN: &str = "x-session-turn";
 pub const CONTEXT_REPLACE: &str = "x-context-replace";
 pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
+
+/// Whether an `Idempotency-Key` is one turnlock takes: 1 to 255 bytes.
+pub fn valid_idempotency_key(key: &http::HeaderValue) -> bool {
+    !key.is_empty() && key.len() <= MAX_IDEMPOTENCY_KEY_LEN
+}
+
+/// The idempotency key of one entry of a bulk write, in its request's extensions: the bulk
+/// request's key and the entry's place, joined by a byte no header value holds, so that no
+/// single write's `Idempotency-Key` names the same record.
+#[derive(Clone, Debug)]
+pub struct EntryKey(pub Vec<u8>);
+
+impl EntryKey {
+    pub fn of(key: &[u8], index: usize) -> Self {
+        let mut own = key.to_vec();
+        own.push(0);
+        own.extend_from_slice(index.to_string().as_bytes());
+        Self(own)
+    }
+}
 /// A shorter wait deadline for one write, in milliseconds (never longer than the configured one).
 pub const WAIT_DEADLINE: &str = "x-wait-deadline-ms";
 /// Longest wait a request may ask for (a longer one is cut to the configured deadline anyway).
 const MAX_WAIT_DEADLINE_MS: u64 = 600_000;
-const MAX_IDEMPOTENCY_KEY_LEN: usize = 255;
+pub const MAX_IDEMPOTENCY_KEY_LEN: usize = 255;
 /// How long a client may take to send a write's body: a trickling client is cut off with 408.
 pub const BODY_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
@@ -191,10 +211,12 @@ pub async fn parse(
             session,
         });
     }
-    let idempotency_key = match parts.headers.get(IDEMPOTENCY_KEY) {
-        None => None,
-        Some(v) if !v.is_empty() && v.len() <= MAX_IDEMPOTENCY_KEY_LEN => Some(v.as_bytes().to_vec()),
-        Some(_) => {
+    let idempotency_key = match (parts.extensions.get::<EntryKey>(), parts.headers.get(IDEMPOTENCY_KEY)) {
+        // The bulk write's key, checked as this one would be.
+        (Some(EntryKey(own)), _) => Some(own.clone()),
+        (None, None) => None,
+        (None, Some(v)) if valid_idempotency_key(v) => Some(v.as_bytes().to_vec()),
+        (None, Some(_)) => {
             return Err(bad(
                 "invalid_idempotency_key",
                 format!("Idempotency-Key must be 1 to {MAX_IDEMPOTENCY_KEY_LEN} bytes"),
