@@ -94,6 +94,11 @@ impl Proxy {
         if sessions == 0 {
             return self.forward(as_it_came(parts, bytes), peer).await;
         }
+        // A type each session document's write would refuse is the whole request's refusal
+        // (CouchDB answers a bulk write 415 as a whole), not one error entry per document.
+        if let Err(refused) = super::request::check_content_type(&parts.headers, false) {
+            return super::dialect::refusal(dialect, refused);
+        }
         // Anything but `true` may be read as `false` (pouchdb-server takes `0`, `null` and `""`
         // so): refused as `false` is.
         if let Some(as_given) = request.get(AS_GIVEN).filter(|v| **v != Value::Bool(true)) {
@@ -121,6 +126,9 @@ impl Proxy {
             let rest_len = rest.len();
             let mut rest = as_it_came(parts.clone(), rest);
             named::state_length(rest.headers_mut(), rest_len);
+            // Written by turnlock as JSON, and typed so: CouchDB servers read only that.
+            rest.headers_mut()
+                .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
             let res = self.forward(rest, peer).await;
             if !res.status().is_success() {
                 return res;

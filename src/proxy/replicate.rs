@@ -62,9 +62,10 @@ fn into_sessions(routes: &Routes, target: &Value) -> bool {
     };
     let collection = if named.contains("://") {
         match named.parse::<http::Uri>() {
-            Ok(uri) => uri.path().trim_end_matches('/').to_owned(),
-            // Not a URL the store could reach either.
-            Err(_) => return false,
+            Ok(uri) => without_dot_segments(uri.path()).trim_end_matches('/').to_owned(),
+            // A URL turnlock cannot read may still be one the store's client reads (WHATWG
+            // URLs drop tabs and newlines): counted as a session's.
+            Err(_) => return true,
         }
     } else {
         format!("/{}", utf8_percent_encode(named, named::ID))
@@ -78,4 +79,57 @@ fn into_sessions(routes: &Routes, target: &Value) -> bool {
         named::document_route(routes, &collection, None, &http::HeaderMap::new(), &probe, "_id"),
         Ok(None)
     )
+}
+
+/// `path` with its dot segments resolved, as the store's HTTP client resolves them before
+/// sending (RFC 3986 §5.2.4; `%2E` read as `.` and `\` as `/`, as WHATWG URLs of `http` and
+/// `https` read them): `/x/../db`, `/x\..\db` and `/db/.` name the database `db`.
+fn without_dot_segments(path: &str) -> String {
+    let path = path.replace('\\', "/");
+    let segments: Vec<String> = path
+        .trim_start_matches('/')
+        .split('/')
+        .map(|s| s.replace("%2E", ".").replace("%2e", "."))
+        .collect();
+    let last = segments.len().saturating_sub(1);
+    let mut out: Vec<&str> = Vec::with_capacity(segments.len());
+    for (i, segment) in segments.iter().enumerate() {
+        match segment.as_str() {
+            "." => {}
+            ".." => {
+                out.pop();
+            }
+            name => out.push(name),
+        }
+        // A path ending in a dot segment names a directory: it ends with `/`.
+        if i == last && matches!(segment.as_str(), "." | "..") {
+            out.push("");
+        }
+    }
+    format!("/{}", out.join("/"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dot_segments_are_resolved_as_a_client_resolves_them() {
+        for (path, resolved) in [
+            ("/sessions", "/sessions"),
+            ("/x/../sessions", "/sessions"),
+            ("/a/b/../../sessions", "/sessions"),
+            ("/sessions/../sessions", "/sessions"),
+            ("/x/%2E%2E/sessions", "/sessions"),
+            ("/x/.%2e/sessions", "/sessions"),
+            ("/sessions/.", "/sessions/"),
+            ("/sessions/x/..", "/sessions/"),
+            ("/../sessions", "/sessions"),
+            ("/./sessions", "/sessions"),
+            ("/a%2E/b", "/a./b"),
+            ("/x\\..\\sessions", "/sessions"),
+        ] {
+            assert_eq!(without_dot_segments(path), resolved, "{path}");
+        }
+    }
 }

@@ -128,11 +128,11 @@ pub fn couch_aliases(path: &str) -> Vec<String> {
             aliases.push(format!("/{after}"));
         }
     }
-    if db.chars().any(|c| UNFILEABLE.contains(&c) || c.is_control()) || db.ends_with(['.', ' ']) {
-        let kept: String = db
-            .chars()
-            .filter(|c| !UNFILEABLE.contains(c) && !c.is_control())
-            .collect();
+    // pouchdb-server also drops a `/` (`%2F`) from a database name, which Apache CouchDB
+    // keeps (the database `db/`): the two read such a path as two databases.
+    let dropped = |c: &char| UNFILEABLE.contains(c) || *c == '/' || c.is_control();
+    if db.chars().any(|c| dropped(&c)) || db.ends_with(['.', ' ']) {
+        let kept: String = db.chars().filter(|c| !dropped(c)).collect();
         let kept = percent_encoding::utf8_percent_encode(kept.trim_end_matches(['.', ' ']), DB_NAME);
         aliases.push(match tail {
             Some(tail) => format!("/{kept}/{tail}"),

@@ -459,7 +459,7 @@ async fn couchdb_a_path_the_store_serves_as_a_sessions_is_refused() {
         &json!({"_id": "d", "turn": 5, "messages": [{"id": "five"}]}),
     )
     .await;
-    for path in ["/_node/node1@127.0.0.1/db/d", "/db%3A/d", "/%22db%22/d"] {
+    for path in ["/_node/node1@127.0.0.1/db/d", "/db%3A/d", "/%22db%22/d", "/db%2F/d"] {
         let older = json!({"_rev": rev, "turn": 3, "messages": [{"id": "three"}]});
         let r = agent.send(Method::PUT, path, Some(&older), &[]).await.expect("write");
         assert_eq!(r.status, 400, "PUT {path}: {:?}", r.json);
@@ -851,13 +851,24 @@ async fn couchdb_a_write_in_any_content_type_is_written_back_as_json() {
         let body = format!(r#"{{"_id":"{doc}","turn":3,"messages":[{{"id":"c"}}]}}"#);
         let answer = write("POST", "/db", body).await;
         assert!(answer.starts_with("HTTP/1.1 201"), "{content_type:?} post: {answer}");
-        let body = format!(r#"{{"docs":[{{"_id":"{doc}","turn":4,"messages":[{{"id":"d"}}]}}]}}"#);
+        // Beside a document of the store's own, sent on to it as JSON.
+        let body = format!(
+            r#"{{"docs":[{{"_id":"{doc}","turn":4,"messages":[{{"id":"d"}}]}},{{"_id":"_local/{doc}","x":1}}]}}"#
+        );
         let answer = write("POST", "/db/_bulk_docs", body).await;
         assert!(answer.starts_with("HTTP/1.1 201"), "{content_type:?} bulk: {answer}");
         let stored = direct.send(Method::GET, &put, None, &[]).await.expect("read").json;
         assert_eq!(message_ids(&stored), ["a", "b", "c", "d"], "{content_type:?}: {stored}");
         assert_eq!(stored["turn"], json!(4), "{content_type:?}: {stored}");
     }
+    // A type no write takes: the bulk write refused as a whole, as CouchDB refuses it.
+    let body = br#"{"docs":[{"_id":"ct0","turn":9,"messages":[]}]}"#;
+    let head = format!(
+        "POST /db/_bulk_docs HTTP/1.1\r\nhost: x\r\ncontent-type: text/plain\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+        body.len()
+    );
+    let answer = crate::support::send_raw(sidecar.addr, &[head.as_bytes(), body].concat()).await;
+    assert!(answer.starts_with("HTTP/1.1 415"), "{answer}");
 }
 
 /// A replication writes its source's documents into its target as given, past the merge and
@@ -925,6 +936,39 @@ async fn couchdb_a_replication_into_sessions_documents_is_refused() {
             "/_replicator/_bulk_docs",
             json!({"docs": [{"source": "source", "target": "sessions"}]}),
         ),
+        // Dot segments, which the store's client resolves before sending.
+        (
+            Method::POST,
+            "/_replicate",
+            json!({"source": "source", "target": format!("{store_url}/x/../sessions")}),
+        ),
+        (
+            Method::POST,
+            "/_replicate",
+            json!({"source": "source", "target": format!("{store_url}/sessions/.")}),
+        ),
+        (
+            Method::POST,
+            "/_replicate",
+            json!({"source": "source", "target": format!("{store_url}/x/%2E%2E/sessions")}),
+        ),
+        (
+            Method::POST,
+            "/_replicate",
+            json!({"source": "source", "target": {"url": format!("{store_url}/a/b/../../sessions")}}),
+        ),
+        // A backslash, which the store's client takes for `/`.
+        (
+            Method::POST,
+            "/_replicate",
+            json!({"source": "source", "target": format!("{store_url}/x\\..\\sessions")}),
+        ),
+        // A database name pouchdb-server reads without its `/`.
+        (
+            Method::POST,
+            "/_replicate",
+            json!({"source": "source", "target": "sessions/"}),
+        ),
     ] {
         let r = agent
             .send(method.clone(), path, Some(&body), &[])
@@ -944,6 +988,26 @@ async fn couchdb_a_replication_into_sessions_documents_is_refused() {
         .expect("read")
         .json;
     assert_eq!(message_ids(&stored), ["c1"], "{stored}");
+    assert_eq!(stored["turn"], json!(3), "{stored}");
+    // A path pouchdb-server serves as a session's document by dropping a `/` from the
+    // database's name: refused, a write and a bulk write as given alike.
+    let older = json!({"_rev": stored["_rev"], "turn": 1, "messages": [{"id": "old"}]});
+    let r = agent
+        .send(Method::PUT, "/sessions%2F/s", Some(&older), &[])
+        .await
+        .expect("write");
+    assert_eq!(r.status, 400, "{:?}", r.json);
+    assert_eq!(r.json["turnlock_error"], json!("ambiguous_path"), "{:?}", r.json);
+    let r = agent
+        .send(Method::POST, "/sessions%2F/_bulk_docs", Some(&as_given), &[])
+        .await
+        .expect("bulk");
+    assert_eq!(r.status, 400, "{:?}", r.json);
+    let stored = direct
+        .send(Method::GET, "/sessions/s", None, &[])
+        .await
+        .expect("read")
+        .json;
     assert_eq!(stored["turn"], json!(3), "{stored}");
     // Into a database of no write route: the store's replication.
     let r = agent

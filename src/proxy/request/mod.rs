@@ -474,7 +474,7 @@ pub(super) fn check_charset(headers: &HeaderMap) -> Result<(), EdgeError> {
     Ok(())
 }
 
-fn check_content_type(headers: &HeaderMap, strict: bool) -> Result<(), Refusal> {
+pub(super) fn check_content_type(headers: &HeaderMap, strict: bool) -> Result<(), Refusal> {
     check_charset(headers)?;
     let ct = headers
         .get(header::CONTENT_TYPE)
