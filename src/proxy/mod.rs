@@ -107,21 +107,12 @@ impl Proxy {
             res.extensions_mut().insert(RouteName("invalid"));
             return res;
         }
-        // A replication into a database of sessions' documents would replace them as given.
-        let req = match replicate::is_replication(&inner.routes, &req) {
-            Some(dialect) => {
-                let max = inner.max_body.document.max(inner.max_body.body);
-                match Box::pin(replicate::checked(&inner.routes, req, max)).await {
-                    Ok(req) => req,
-                    Err(refused) => {
-                        let mut res = dialect::refusal(dialect, refused);
-                        res.extensions_mut().insert(RouteName("invalid"));
-                        return res;
-                    }
-                }
-            }
-            None => req,
-        };
+        // A replication would replace sessions' documents as given.
+        if let Some(dialect) = replicate::is_replication(&inner.routes, &req) {
+            let mut res = dialect::refusal(dialect, replicate::refusal());
+            res.extensions_mut().insert(RouteName("invalid"));
+            return res;
+        }
         // Writes naming their documents in the body: a bulk write (CouchDB's `_bulk_docs`), and
         // a `POST /{db}` with an `_id` (the `PUT` of that document). Boxed: other requests'
         // futures do not carry their state.

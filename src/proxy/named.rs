@@ -14,7 +14,7 @@ use crate::routes::{Captures, Dialect, Route, Routes};
 
 /// What a document id is written as in a path: everything but letters, digits, `-`, `_` and
 /// `~` escaped (`/` as `%2F`: a character of the id, not a segment).
-pub const ID: &AsciiSet = &NON_ALPHANUMERIC.remove(b'-').remove(b'_').remove(b'~');
+const ID: &AsciiSet = &NON_ALPHANUMERIC.remove(b'-').remove(b'_').remove(b'~');
 
 /// `req` as the `PUT` of the document its body names, when that `PUT` is a write route's;
 /// else `req` as it came (its body read, when it had to be looked at). A refusal (a body too

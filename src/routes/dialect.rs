@@ -111,7 +111,7 @@ pub struct Dialect {
     /// refused on a merged write, as a session's document is deleted by its `DELETE`.
     pub deleting_field: Option<&'static str>,
     /// The first names of paths whose writes start a replication (CouchDB's `_replicate` and
-    /// `_replicator`): one whose target holds write routes' documents is refused.
+    /// `_replicator`): refused, as a replication writes documents as given.
     pub replication: &'static [&'static str],
 }
 

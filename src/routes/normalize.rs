@@ -131,15 +131,53 @@ pub fn couch_aliases(path: &str) -> Vec<String> {
     // pouchdb-server also drops a `/` (`%2F`) from a database name, which Apache CouchDB
     // keeps (the database `db/`): the two read such a path as two databases.
     let dropped = |c: &char| UNFILEABLE.contains(c) || *c == '/' || c.is_control();
+    let mut db = db.into_owned();
+    // It stores a name Windows reserves for a device (`con`, `lpt1`, `con.txt`) as
+    // `__con__`, so `__con__` is `con` to it...
+    if let Some(device) = db.strip_prefix("__").and_then(|d| d.strip_suffix("__")) {
+        if windows_device(device) {
+            aliases.push(with_db(
+                &percent_encoding::utf8_percent_encode(device, DB_NAME).to_string(),
+                tail,
+            ));
+        }
+    }
+    // ...and cuts a name to 255 bytes.
+    if db.len() > 255 {
+        let mut cut = 255;
+        while !db.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        db.truncate(cut);
+        aliases.push(with_db(
+            &percent_encoding::utf8_percent_encode(&db, DB_NAME).to_string(),
+            tail,
+        ));
+    }
     if db.chars().any(|c| dropped(&c)) || db.ends_with(['.', ' ']) {
         let kept: String = db.chars().filter(|c| !dropped(c)).collect();
         let kept = percent_encoding::utf8_percent_encode(kept.trim_end_matches(['.', ' ']), DB_NAME);
-        aliases.push(match tail {
-            Some(tail) => format!("/{kept}/{tail}"),
-            None => format!("/{kept}"),
-        });
+        aliases.push(with_db(&kept.to_string(), tail));
     }
     aliases
+}
+
+/// A path: the database `db` (escaped) and what followed it.
+fn with_db(db: &str, tail: Option<&str>) -> String {
+    match tail {
+        Some(tail) => format!("/{db}/{tail}"),
+        None => format!("/{db}"),
+    }
+}
+
+/// Whether Windows reserves `name` for a device (`con`, `prn`, `aux`, `nul`, `com0`-`com9`,
+/// `lpt0`-`lpt9`, in any case, with any extension), as pouchdb-server's file names read it.
+fn windows_device(name: &str) -> bool {
+    let stem = name.split('.').next().unwrap_or_default().to_ascii_lowercase();
+    matches!(stem.as_str(), "con" | "prn" | "aux" | "nul")
+        || (stem.len() == 4
+            && (stem.starts_with("com") || stem.starts_with("lpt"))
+            && stem.as_bytes()[3].is_ascii_digit())
 }
 
 /// One spelling for every spelling of a name or path that stores read alike: each escape of
@@ -331,5 +369,21 @@ mod tests {
         assert!(r.contains(&vec!["v1".into(), "sessions".into(), "..".into(), "messages".into()]));
         let r = readings("/a\\b");
         assert!(r.contains(&vec!["a".into(), "b".into()]));
+    }
+
+    #[test]
+    fn couch_aliases_are_the_paths_pouchdb_server_serves_a_path_as() {
+        assert_eq!(couch_aliases("/db/d"), Vec::<String>::new());
+        assert_eq!(couch_aliases("/_node/n@h/db/d"), ["/db/d"]);
+        assert_eq!(couch_aliases("/db%2F/d"), ["/db/d"]);
+        assert_eq!(couch_aliases("/db%3A/d"), ["/db/d"]);
+        assert_eq!(couch_aliases("/__con__/d"), ["/con/d"]);
+        assert_eq!(couch_aliases("/__LPT1.txt__/d"), ["/LPT1.txt/d"]);
+        assert_eq!(couch_aliases("/__cons__/d"), Vec::<String>::new());
+        let long = "a".repeat(300);
+        assert_eq!(
+            couch_aliases(&format!("/{long}/d")),
+            [format!("/{}/d", "a".repeat(255))]
+        );
     }
 }
