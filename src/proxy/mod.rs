@@ -107,9 +107,15 @@ impl Proxy {
             res.extensions_mut().insert(RouteName("invalid"));
             return res;
         }
-        // A replication would replace sessions' documents as given.
+        // A replication would replace sessions' documents as given; a write under a node's
+        // path may land on one.
         if let Some(dialect) = replicate::is_replication(&inner.routes, &req) {
             let mut res = dialect::refusal(dialect, replicate::refusal());
+            res.extensions_mut().insert(RouteName("invalid"));
+            return res;
+        }
+        if let Some(dialect) = replicate::is_node_write(&inner.routes, &req) {
+            let mut res = dialect::refusal(dialect, replicate::node_refusal());
             res.extensions_mut().insert(RouteName("invalid"));
             return res;
         }
@@ -122,7 +128,7 @@ impl Proxy {
             res.extensions_mut().insert(RouteName("bulk"));
             return res;
         }
-        let req = if req.method() == http::Method::POST {
+        let req = if matches!(*req.method(), http::Method::POST | http::Method::PUT) {
             match Box::pin(named::as_document_write(&inner.routes, req, inner.max_body)).await {
                 Ok(req) => req,
                 Err((dialect, refused)) => {

@@ -26,6 +26,9 @@ pub async fn as_document_write(
     req: Request<Body>,
     limits: request::Limits,
 ) -> Result<Request<Body>, (&'static Dialect, Refusal)> {
+    if req.method() == Method::PUT {
+        return put_naming_another(routes, req, limits).await;
+    }
     let Some((field, dialect)) = worth_reading(routes, &req) else {
         return Ok(req);
     };
@@ -47,6 +50,105 @@ pub async fn as_document_write(
         Ok(None) => Ok(Request::from_parts(parts, crate::http::full(bytes))),
         Err(ambiguous) => Err((dialect, EdgeError::AmbiguousPath(ambiguous).into())),
     }
+}
+
+/// A `PUT` forwarded untouched (a database's own resource, `_local/…`, `_design/…`, an
+/// attachment) that names a write route's document otherwise than by its path: pouchdb-server
+/// writes the document its JSON body's `_id`, or else its `?id=`, names, ahead of the path's
+/// (`PUT /db/_local/x` with `{"_id": "s1"}` writes `s1`). Refused, not written past the lock;
+/// any other is passed on (its body read when it is JSON the store reads).
+async fn put_naming_another(
+    routes: &Routes,
+    req: Request<Body>,
+    limits: request::Limits,
+) -> Result<Request<Body>, (&'static Dialect, Refusal)> {
+    let Some((field, dialect)) = routes.named_in_body() else {
+        return Ok(req);
+    };
+    match routes.find(req.method(), req.uri().path()) {
+        Ok(Some((route, captures)))
+            if !route
+                .dialect
+                .not_a_write(req.method(), req.uri(), req.headers(), &captures.session) =>
+        {
+            return Ok(req)
+        }
+        _ => {}
+    }
+    let db = req
+        .uri()
+        .path()
+        .trim_start_matches('/')
+        .split('/')
+        .next()
+        .unwrap_or_default();
+    let collection = format!("/{db}");
+    let names_a_session = |id: &str| {
+        let doc = serde_json::Value::Object(serde_json::Map::from_iter([(
+            field.to_owned(),
+            serde_json::Value::String(id.to_owned()),
+        )]));
+        !matches!(
+            document_route(routes, &collection, None, &http::HeaderMap::new(), &doc, field),
+            Ok(None)
+        )
+    };
+    let refused = |id: &str| {
+        let message = format!(
+            "this PUT names the document {id:?} otherwise than by its path, and the store writes that \
+             document: send its write to its own path"
+        );
+        (
+            dialect,
+            Refusal::from(EdgeError::Invalid {
+                code: "id_elsewhere",
+                message,
+            }),
+        )
+    };
+    let by_query = req
+        .uri()
+        .query()
+        .into_iter()
+        .flat_map(|q| q.split('&'))
+        .find_map(|pair| {
+            let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+            (percent_encoding::percent_decode_str(name).decode_utf8_lossy() == "id").then(|| {
+                percent_encoding::percent_decode_str(value)
+                    .decode_utf8_lossy()
+                    .into_owned()
+            })
+        });
+    if let Some(id) = by_query.filter(|id| names_a_session(id)) {
+        return Err(refused(&id));
+    }
+    // The store reads a body's `_id` only from JSON it parses: typed `application/json`.
+    let json = req
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|mime| mime.trim().eq_ignore_ascii_case("application/json"));
+    // A database's own `PUT` (`PUT /db`, its creation) and an empty body name no document.
+    let document = req
+        .uri()
+        .path()
+        .trim_start_matches('/')
+        .split('/')
+        .nth(1)
+        .is_some_and(|n| !n.is_empty());
+    if !json || !document || http_body::Body::is_end_stream(req.body()) {
+        return Ok(req);
+    }
+    let (parts, bytes, doc) = read_object(req, limits.body.max(limits.document))
+        .await
+        .map_err(|r| (dialect, r))?;
+    if let Some(serde_json::Value::String(id)) = doc.get(field) {
+        if names_a_session(id) {
+            return Err(refused(id));
+        }
+    }
+    Ok(Request::from_parts(parts, crate::http::full(bytes)))
 }
 
 /// A body that may name a session's document, read whole as a JSON object in UTF-8, with

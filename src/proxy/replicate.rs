@@ -35,6 +35,30 @@ pub fn is_replication(routes: &Routes, req: &Request<Body>) -> Option<&'static D
     dialect.replication.contains(&first.as_str()).then_some(dialect)
 }
 
+/// The dialect, when `req` writes under a node's own path (`/_node/…`, CouchDB's node-level
+/// resources and databases): pouchdb-server strips its node's prefix with a pattern a `?` or
+/// a `/` also matches (`/_node/node1@127?0.0.1/db/d` is its `/db/d`), so where such a write
+/// lands cannot be told from the path: refused.
+pub fn is_node_write(routes: &Routes, req: &Request<Body>) -> Option<&'static Dialect> {
+    if matches!(*req.method(), Method::GET | Method::HEAD | Method::OPTIONS) {
+        return None;
+    }
+    let (_, dialect) = routes.named_in_body()?;
+    let first = req.uri().path().trim_start_matches('/').split('/').next()?;
+    (percent_encoding::percent_decode_str(first).decode_utf8_lossy() == "_node").then_some(dialect)
+}
+
+/// The refusal of a write under a node's own path.
+pub fn node_refusal() -> Refusal {
+    EdgeError::Invalid {
+        code: "node_path_refused",
+        message: "a write under /_node/ may land on a session's document past the lock: send it to the \
+                  store itself"
+            .into(),
+    }
+    .into()
+}
+
 /// The refusal of a replication asked of the sidecar.
 pub fn refusal() -> Refusal {
     EdgeError::Invalid {

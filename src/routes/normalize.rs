@@ -132,15 +132,15 @@ pub fn couch_aliases(path: &str) -> Vec<String> {
     // keeps (the database `db/`): the two read such a path as two databases.
     let dropped = |c: &char| UNFILEABLE.contains(c) || *c == '/' || c.is_control();
     let mut db = db.into_owned();
-    // It stores a name Windows reserves for a device (`con`, `lpt1`, `con.txt`) as
-    // `__con__`, so `__con__` is `con` to it...
-    if let Some(device) = db.strip_prefix("__").and_then(|d| d.strip_suffix("__")) {
-        if windows_device(device) {
-            aliases.push(with_db(
-                &percent_encoding::utf8_percent_encode(device, DB_NAME).to_string(),
-                tail,
-            ));
-        }
+    // It stores a name Windows reserves for a device (`con`, `lpt1`, `con.txt`) as `__con__`,
+    // and one it cleans to nothing (`?`, `*`, `...`) as `____`: any `__name__` may be another
+    // name to it...
+    if let Some(inner) = db.strip_prefix("__").and_then(|d| d.strip_suffix("__")) {
+        let inner = match inner {
+            "" => "%3F".to_owned(),
+            inner => percent_encoding::utf8_percent_encode(inner, DB_NAME).to_string(),
+        };
+        aliases.push(with_db(&inner, tail));
     }
     // ...and cuts a name to 255 bytes.
     if db.len() > 255 {
@@ -156,8 +156,12 @@ pub fn couch_aliases(path: &str) -> Vec<String> {
     }
     if db.chars().any(|c| dropped(&c)) || db.ends_with(['.', ' ']) {
         let kept: String = db.chars().filter(|c| !dropped(c)).collect();
-        let kept = percent_encoding::utf8_percent_encode(kept.trim_end_matches(['.', ' ']), DB_NAME);
-        aliases.push(with_db(&kept.to_string(), tail));
+        // ...and a name it cleans to nothing is its `____`.
+        let kept = match kept.trim_end_matches(['.', ' ']) {
+            "" => "____".to_owned(),
+            kept => percent_encoding::utf8_percent_encode(kept, DB_NAME).to_string(),
+        };
+        aliases.push(with_db(&kept, tail));
     }
     aliases
 }
@@ -168,16 +172,6 @@ fn with_db(db: &str, tail: Option<&str>) -> String {
         Some(tail) => format!("/{db}/{tail}"),
         None => format!("/{db}"),
     }
-}
-
-/// Whether Windows reserves `name` for a device (`con`, `prn`, `aux`, `nul`, `com0`-`com9`,
-/// `lpt0`-`lpt9`, in any case, with any extension), as pouchdb-server's file names read it.
-fn windows_device(name: &str) -> bool {
-    let stem = name.split('.').next().unwrap_or_default().to_ascii_lowercase();
-    matches!(stem.as_str(), "con" | "prn" | "aux" | "nul")
-        || (stem.len() == 4
-            && (stem.starts_with("com") || stem.starts_with("lpt"))
-            && stem.as_bytes()[3].is_ascii_digit())
 }
 
 /// One spelling for every spelling of a name or path that stores read alike: each escape of
@@ -379,7 +373,10 @@ mod tests {
         assert_eq!(couch_aliases("/db%3A/d"), ["/db/d"]);
         assert_eq!(couch_aliases("/__con__/d"), ["/con/d"]);
         assert_eq!(couch_aliases("/__LPT1.txt__/d"), ["/LPT1.txt/d"]);
-        assert_eq!(couch_aliases("/__cons__/d"), Vec::<String>::new());
+        assert_eq!(couch_aliases("/__cons__/d"), ["/cons/d"]);
+        assert_eq!(couch_aliases("/____/d"), ["/%3F/d"]);
+        assert_eq!(couch_aliases("/%3F/d"), ["/____/d"]);
+        assert_eq!(couch_aliases("/.../d"), ["/____/d"]);
         let long = "a".repeat(300);
         assert_eq!(
             couch_aliases(&format!("/{long}/d")),

@@ -474,14 +474,7 @@ async fn couchdb_a_path_the_store_serves_as_a_sessions_is_refused() {
         .await
         .expect("write");
     assert_eq!(r.status, 201, "{:?}", r.json);
-    for path in [
-        "/_node/node1@127.0.0.1/db/d",
-        "/db%3A/d",
-        "/%22db%22/d",
-        "/db%2F/d",
-        "/__con__/d",
-        &long,
-    ] {
+    for path in ["/db%3A/d", "/%22db%22/d", "/db%2F/d", "/__con__/d", &long] {
         let older = json!({"_rev": rev, "turn": 3, "messages": [{"id": "three"}]});
         let r = agent.send(Method::PUT, path, Some(&older), &[]).await.expect("write");
         assert_eq!(r.status, 400, "PUT {path}: {:?}", r.json);
@@ -1001,6 +994,97 @@ async fn couchdb_a_replication_through_the_sidecar_is_refused() {
         .expect("read")
         .json;
     assert_eq!(stored["turn"], json!(3), "{stored}");
+}
+
+/// pouchdb-server writes the document a `PUT`'s JSON body names by `_id` (else its `?id=`)
+/// ahead of the path's, strips its node's prefix from a path with a pattern a `?` or a `/`
+/// matches, and stores a database whose name it cleans to nothing as `____`: through the
+/// sidecar none of these writes a session's document past the lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn couchdb_writes_the_store_lands_on_a_sessions_document_are_refused() {
+    let Couch { direct, agent, .. } = &couch(&couchdb_with_delete()).await;
+    let rev = written_rev(agent, direct, &json!({"turn": 5, "messages": [{"id": "five"}]})).await;
+    let older = json!({"_id": "d", "_rev": rev, "turn": 1, "messages": []});
+    let without_id = json!({"_rev": rev, "turn": 1, "messages": []});
+    for (method, path, body, code) in [
+        (Method::PUT, "/db/_local/x", &older, "id_elsewhere"),
+        (Method::PUT, "/db/_design/x", &older, "id_elsewhere"),
+        (Method::PUT, "/db/_local/y?id=d", &without_id, "id_elsewhere"),
+        (
+            Method::PUT,
+            "/_node/node1@127.0.0.1/db/d",
+            &without_id,
+            "node_path_refused",
+        ),
+        (
+            Method::PUT,
+            "/_node/node1@127?0.0.1/db/d",
+            &without_id,
+            "node_path_refused",
+        ),
+        (
+            Method::PUT,
+            "/_node/node1@127/0/0/1/db/d",
+            &without_id,
+            "node_path_refused",
+        ),
+        (
+            Method::POST,
+            "/_node/node1@127?0.0.1/db/_bulk_docs",
+            &json!({"docs": [older.clone()]}),
+            "node_path_refused",
+        ),
+        (
+            Method::DELETE,
+            &format!("/_node/node1@127?0.0.1/db/d?rev={rev}"),
+            &json!({}),
+            "node_path_refused",
+        ),
+        (
+            Method::POST,
+            "/_node/node1@127?0.0.1/_replicate",
+            &json!({"source": "x", "target": "db"}),
+            "node_path_refused",
+        ),
+    ] {
+        let r = agent.send(method.clone(), path, Some(body), &[]).await.expect("send");
+        assert_eq!(r.status, 400, "{method} {path}: {:?}", r.json);
+        assert_eq!(r.json["turnlock_error"], json!(code), "{method} {path}: {:?}", r.json);
+    }
+    let kept = direct.send(Method::GET, "/db/d", None, &[]).await.expect("read").json;
+    assert_eq!(kept["turn"], json!(5), "{kept}");
+    assert_eq!(message_ids(&kept), ["five"], "{kept}");
+    // A design document naming itself, and the database's own PUT, are the store's.
+    let design = json!({"_id": "_design/v", "views": {}});
+    let r = agent
+        .send(Method::PUT, "/db/_design/v", Some(&design), &[])
+        .await
+        .expect("design");
+    assert_eq!(r.status, 201, "{:?}", r.json);
+    let r = agent
+        .send(
+            Method::PUT,
+            "/other",
+            None,
+            &[("content-type", "application/json".to_owned())],
+        )
+        .await
+        .expect("create");
+    assert!(r.status.is_success(), "{:?}", r.json);
+    // `____` is where pouchdb-server keeps `/%3F/…`: both spellings refused, not two locks.
+    for path in ["/%3F/d", "/____/d", "/.../d"] {
+        let r = agent
+            .send(Method::PUT, path, Some(&without_id), &[])
+            .await
+            .expect("write");
+        assert_eq!(r.status, 400, "{path}: {:?}", r.json);
+        assert_eq!(
+            r.json["turnlock_error"],
+            json!("ambiguous_path"),
+            "{path}: {:?}",
+            r.json
+        );
+    }
 }
 
 /// A write's log line states the status its client got, in the route's dialect: CouchDB's
