@@ -122,6 +122,33 @@ async fn put_naming_another(
     if let Some(id) = by_query.filter(|id| names_a_session(id)) {
         return Err(refused(&id));
     }
+    // A document and its attachments as one body (`multipart/related`): the store writes the
+    // document its JSON part names. Not read here: refused where a document is named.
+    let document = req
+        .uri()
+        .path()
+        .trim_start_matches('/')
+        .split('/')
+        .nth(1)
+        .is_some_and(|n| !n.is_empty());
+    let multipart = req.headers().get_all(header::CONTENT_TYPE).iter().any(|v| {
+        v.as_bytes()
+            .trim_ascii_start()
+            .get(..10)
+            .is_some_and(|m| m.eq_ignore_ascii_case(b"multipart/"))
+    });
+    if multipart && document {
+        let message = "a multipart PUT writes the document its JSON part names, which may be a session's: \
+                       send it to the store itself"
+            .to_owned();
+        return Err((
+            dialect,
+            Refusal::from(EdgeError::Invalid {
+                code: "id_elsewhere",
+                message,
+            }),
+        ));
+    }
     // The store reads a body's `_id` only from JSON it parses: typed `application/json`.
     let json = req
         .headers()
@@ -130,13 +157,6 @@ async fn put_naming_another(
         .and_then(|v| v.split(';').next())
         .is_some_and(|mime| mime.trim().eq_ignore_ascii_case("application/json"));
     // A database's own `PUT` (`PUT /db`, its creation) and an empty body name no document.
-    let document = req
-        .uri()
-        .path()
-        .trim_start_matches('/')
-        .split('/')
-        .nth(1)
-        .is_some_and(|n| !n.is_empty());
     if !json || !document || http_body::Body::is_end_stream(req.body()) {
         return Ok(req);
     }

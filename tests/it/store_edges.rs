@@ -1002,7 +1002,9 @@ async fn couchdb_a_replication_through_the_sidecar_is_refused() {
 /// sidecar none of these writes a session's document past the lock.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn couchdb_writes_the_store_lands_on_a_sessions_document_are_refused() {
-    let Couch { direct, agent, .. } = &couch(&couchdb_with_delete()).await;
+    let Couch {
+        direct, agent, sidecar, ..
+    } = &couch(&couchdb_with_delete()).await;
     let rev = written_rev(agent, direct, &json!({"turn": 5, "messages": [{"id": "five"}]})).await;
     let older = json!({"_id": "d", "_rev": rev, "turn": 1, "messages": []});
     let without_id = json!({"_rev": rev, "turn": 1, "messages": []});
@@ -1050,6 +1052,22 @@ async fn couchdb_writes_the_store_lands_on_a_sessions_document_are_refused() {
         let r = agent.send(method.clone(), path, Some(body), &[]).await.expect("send");
         assert_eq!(r.status, 400, "{method} {path}: {:?}", r.json);
         assert_eq!(r.json["turnlock_error"], json!(code), "{method} {path}: {:?}", r.json);
+    }
+    // A multipart body, whose JSON part names the document the store writes.
+    for path in ["/db/_local/m", "/db/_design/m"] {
+        let part = format!(
+            "--B\r\nContent-Type: application/json\r\n\r\n{}\r\n--B--\r\n",
+            json!({"_id": "d", "_rev": rev, "turn": 0, "messages": []})
+        );
+        let head = format!(
+            "PUT {path} HTTP/1.1\r\nhost: x\r\ncontent-type: multipart/related; boundary=B\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+            part.len()
+        );
+        let answer = crate::support::send_raw(sidecar.addr, &[head, part].concat().into_bytes()).await;
+        assert!(
+            answer.starts_with("HTTP/1.1 400") && answer.contains("id_elsewhere"),
+            "{path}: {answer}"
+        );
     }
     let kept = direct.send(Method::GET, "/db/d", None, &[]).await.expect("read").json;
     assert_eq!(kept["turn"], json!(5), "{kept}");
