@@ -93,11 +93,7 @@ async fn put_naming_another(
             Ok(None)
         )
     };
-    let refused = |id: &str| {
-        let message = format!(
-            "this PUT names the document {id:?} otherwise than by its path, and the store writes that \
-             document: send its write to its own path"
-        );
+    let refused = |message: String| {
         (
             dialect,
             Refusal::from(EdgeError::Invalid {
@@ -105,6 +101,12 @@ async fn put_naming_another(
                 message,
             }),
         )
+    };
+    let named = |id: &str| {
+        refused(format!(
+            "this PUT names the document {id:?} otherwise than by its path, and the store writes that \
+             document: send its write to its own path"
+        ))
     };
     let by_query = req
         .uri()
@@ -120,7 +122,7 @@ async fn put_naming_another(
             })
         });
     if let Some(id) = by_query.filter(|id| names_a_session(id)) {
-        return Err(refused(&id));
+        return Err(named(&id));
     }
     // A document and its attachments as one body (`multipart/related`): the store writes the
     // document its JSON part names. Not read here: refused where a document is named.
@@ -138,15 +140,10 @@ async fn put_naming_another(
             .is_some_and(|m| m.eq_ignore_ascii_case(b"multipart/"))
     });
     if multipart && document {
-        let message = "a multipart PUT writes the document its JSON part names, which may be a session's: \
-                       send it to the store itself"
-            .to_owned();
-        return Err((
-            dialect,
-            Refusal::from(EdgeError::Invalid {
-                code: "id_elsewhere",
-                message,
-            }),
+        return Err(refused(
+            "a multipart PUT writes the document its JSON part names, which may be a session's: send it \
+             to the store itself"
+                .to_owned(),
         ));
     }
     // The store reads a body's `_id` only from JSON it parses: typed `application/json`.
@@ -165,7 +162,7 @@ async fn put_naming_another(
         .map_err(|r| (dialect, r))?;
     if let Some(serde_json::Value::String(id)) = doc.get(field) {
         if names_a_session(id) {
-            return Err(refused(id));
+            return Err(named(id));
         }
     }
     Ok(Request::from_parts(parts, crate::http::full(bytes)))
