@@ -90,6 +90,7 @@ pub const ERROR_CODES: &[&str] = &[
     "method_override",
     "missing_turn",
     "not_found",
+    "nothing_to_match",
     "precondition_required",
     "request_in_progress",
     "session_busy",

@@ -198,6 +198,10 @@ pub enum MergeError {
     UnknownThrough { through: String },
     #[error("session not found")]
     NotFound,
+    /// The store's precondition (`If-Match`) names a version of a document the store does
+    /// not hold: S3 answers that 404, CouchDB 409 (a `_rev` of no document is a conflict).
+    #[error("If-Match names a version of a document the store does not hold")]
+    NothingToMatch,
     #[error("a merged PUT of a stored session needs the version it was based on: `version` in the body or If-Match")]
     VersionRequired,
     #[error("this copy was read from a previous life of the session (it was deleted since, and maybe created again); read the session again and retry")]
@@ -213,6 +217,7 @@ impl MergeError {
             Self::VersionMismatch { .. } => "version_mismatch",
             Self::UnknownThrough { .. } => "unknown_message",
             Self::NotFound => "session_not_found",
+            Self::NothingToMatch => "nothing_to_match",
             Self::VersionRequired => "precondition_required",
             Self::PreviousLife => "conflict",
         }

@@ -33,6 +33,8 @@ const S3_CODES: &[(&str, u16, &str)] = &[
     ("previous_life", 412, "PreconditionFailed"),
     ("conflict", 409, "ConditionalRequestConflict"),
     ("session_not_found", 404, "NoSuchKey"),
+    // `IfMatch` on a key S3 does not hold: 404, as S3 answers it.
+    ("nothing_to_match", 404, "NoSuchKey"),
     ("body_too_large", 400, "EntityTooLarge"),
     ("document_too_large", 400, "EntityTooLarge"),
     ("body_timeout", 400, "RequestTimeout"),
@@ -49,6 +51,8 @@ const COUCHDB_CODES: &[(&str, u16, &str)] = &[
     ("previous_life", 409, "conflict"),
     ("conflict", 409, "conflict"),
     ("session_not_found", 404, "not_found"),
+    // A `_rev` of a document the store does not hold is CouchDB's conflict.
+    ("nothing_to_match", 409, "conflict"),
     ("body_too_large", 413, "too_large"),
     ("document_too_large", 413, "too_large"),
     ("upstream_invalid_document", 409, "invalid_document"),

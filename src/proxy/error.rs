@@ -232,6 +232,7 @@ fn refused(e: &MergeError) -> Answer {
         ),
         MergeError::UnknownThrough { .. } => (StatusCode::CONFLICT, None),
         MergeError::NotFound => (StatusCode::NOT_FOUND, None),
+        MergeError::NothingToMatch => (StatusCode::PRECONDITION_FAILED, None),
         MergeError::VersionRequired => (StatusCode::PRECONDITION_REQUIRED, None),
         MergeError::PreviousLife => (StatusCode::CONFLICT, Some(json!({"fields": [merge::LIFE]}))),
     };

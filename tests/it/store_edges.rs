@@ -1294,3 +1294,33 @@ async fn couchdb_a_bulk_write_writes_sessions_documents_as_their_locked_puts() {
         assert_eq!(message_ids(&stored), ["m1", "m2", "m3", "m4", "m5"], "{stored}");
     }
 }
+
+/// `If-Match` on a CouchDB write is the store's precondition (a `_rev` in the body or
+/// `?rev=` is not needed, see the README): naming a revision of a document the store does
+/// not hold, it is a conflict to CouchDB, not a missing document. The sidecar answers it as
+/// the store does, and writes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn couchdb_if_match_on_a_missing_document_is_a_conflict_as_at_the_store() {
+    let Couch { direct, agent, .. } = &couch(COUCHDB_ROUTES).await;
+    let rev = "1-967a00dff5e02add41819138abb3284d";
+    let at_store = direct
+        .send(
+            Method::PUT,
+            "/db/nobody",
+            Some(&json!({"_rev": rev, "turn": 1, "messages": []})),
+            &[],
+        )
+        .await
+        .expect("direct write");
+    assert_eq!(at_store.status, 409, "the store: {:?}", at_store.json);
+    let body = json!({"turn": 1, "messages": [{"id": "a"}]});
+    let headers = [("if-match", format!("\"{rev}\""))];
+    let r = agent
+        .send(Method::PUT, "/db/absent", Some(&body), &headers)
+        .await
+        .expect("write");
+    assert_eq!(r.status, 409, "{:?}", r.json);
+    assert_eq!(r.json["error"], at_store.json["error"], "{:?}", r.json);
+    let stored = direct.send(Method::GET, "/db/absent", None, &[]).await.expect("read");
+    assert_eq!(stored.status, 404, "nothing written: {:?}", stored.json);
+}

@@ -513,7 +513,7 @@ fn store_precondition<'a>(
         });
     };
     let Some(stored) = on else {
-        return Err(MergeError::NotFound);
+        return Err(MergeError::NothingToMatch);
     };
     let current = merge::version_of(stored);
     // Only the first write of the batch can still see the document at the tag it names.
