@@ -100,6 +100,7 @@ pub const ERROR_CODES: &[&str] = &[
     "turn_mismatch",
     "unknown_field",
     "unknown_message",
+    "unlocked_write_refused",
     "unsupported_charset",
     "unsupported_content_encoding",
     "unsupported_media_type",

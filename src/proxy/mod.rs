@@ -119,6 +119,11 @@ impl Proxy {
             res.extensions_mut().insert(RouteName("invalid"));
             return res;
         }
+        if let Some((dialect, why)) = replicate::unlocked_write(&inner.routes, &req) {
+            let mut res = dialect::refusal(dialect, replicate::unlocked_refusal(why));
+            res.extensions_mut().insert(RouteName("invalid"));
+            return res;
+        }
         // Writes naming their documents in the body: a bulk write (CouchDB's `_bulk_docs`), and
         // a `POST /{db}` with an `_id` (the `PUT` of that document). Boxed: other requests'
         // futures do not carry their state.

@@ -69,3 +69,65 @@ pub fn refusal() -> Refusal {
     }
     .into()
 }
+
+/// Server-level resources (a first name starting with `_`) a client may write through the
+/// sidecar: logging in and out, and system databases that hold no session's document. Every
+/// other server-level write (`/_config`, whose virtual hosts rewrite the paths of the
+/// sidecar's own write-backs; `/_restart`, `/_reshard`, …) is an operator's, at the store.
+const SERVER_WRITES: &[&str] = &["_session", "_users", "_global_changes", "_dbs_info"];
+
+/// Handlers that write a document of the store's choosing from a request's path: a design
+/// document's update function writes whatever it returns, a rewrite sends the request on to
+/// a path of the design document's choosing.
+const DESIGN_WRITES: &[&str] = &["_update", "_rewrite"];
+
+/// Why `req` is refused, when it would write a session's document past the lock by other
+/// means than its path: a `COPY` (its `Destination` header names the document written), a
+/// design document's update function or rewrite, `_purge` (drops revisions as given), the
+/// deletion of a whole database (its sessions' documents deleted out of order with their
+/// writes), or a server-level write outside [`SERVER_WRITES`]. Reads pass.
+pub fn unlocked_write(routes: &Routes, req: &Request<Body>) -> Option<(&'static Dialect, &'static str)> {
+    if matches!(*req.method(), Method::GET | Method::HEAD | Method::OPTIONS) {
+        return None;
+    }
+    let (_, dialect) = routes.named_in_body()?;
+    if req.method().as_str() == "COPY" {
+        return Some((
+            dialect,
+            "a COPY writes the document its Destination names past the lock",
+        ));
+    }
+    // Decoded before it is split: however its names are spelled, each is found.
+    let path = percent_encoding::percent_decode_str(req.uri().path()).decode_utf8_lossy();
+    let names: Vec<&str> = path.split('/').filter(|n| !n.is_empty()).collect();
+    let first = *names.first()?;
+    if first.starts_with('_') {
+        return (!SERVER_WRITES.contains(&first)).then_some((
+            dialect,
+            "a server-level write (its configuration, virtual hosts, …) can change where the store \
+             lands sessions' writes",
+        ));
+    }
+    match names.as_slice() {
+        [_] if *req.method() == Method::DELETE => Some((
+            dialect,
+            "deleting a database deletes its sessions' documents out of order with their writes",
+        )),
+        [_, "_purge", ..] => Some((dialect, "a purge drops sessions' revisions past the lock")),
+        [_, "_design", _, handler, ..] if DESIGN_WRITES.contains(handler) => Some((
+            dialect,
+            "a design document's update function or rewrite writes documents of its own choosing past \
+             the lock",
+        )),
+        _ => None,
+    }
+}
+
+/// The refusal of a write [`unlocked_write`] names.
+pub fn unlocked_refusal(why: &str) -> Refusal {
+    EdgeError::Invalid {
+        code: "unlocked_write_refused",
+        message: format!("{why}: send it to the store itself"),
+    }
+    .into()
+}

@@ -113,6 +113,10 @@ pub struct Dialect {
     /// The first names of paths whose writes start a replication (CouchDB's `_replicate` and
     /// `_replicator`): refused, as a replication writes documents as given.
     pub replication: &'static [&'static str],
+    /// The query parameters of a session delete sent on to the store (`None`: all of them).
+    /// CouchDB's `?rev=` only: pouchdb-server reads any other as a write option, and an
+    /// empty `new_edits` makes the delete a no-op answered 200.
+    pub delete_query: Option<&'static [&'static str]>,
 }
 
 pub const HTTP: Dialect = Dialect {
@@ -130,6 +134,7 @@ pub const HTTP: Dialect = Dialect {
     bulk_endpoint: None,
     deleting_field: None,
     replication: &[],
+    delete_query: None,
 };
 
 pub const S3: Dialect = Dialect {
@@ -186,6 +191,7 @@ pub const S3: Dialect = Dialect {
     bulk_endpoint: None,
     deleting_field: None,
     replication: &[],
+    delete_query: None,
 };
 
 pub const COUCHDB: Dialect = Dialect {
@@ -207,6 +213,7 @@ pub const COUCHDB: Dialect = Dialect {
     bulk_endpoint: Some("_bulk_docs"),
     deleting_field: Some("_deleted"),
     replication: &["_replicate", "_replicator"],
+    delete_query: Some(&["rev"]),
 };
 
 /// Whether `query` has each parameter of `group` (one written `name=` with a value), its

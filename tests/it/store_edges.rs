@@ -1324,3 +1324,139 @@ async fn couchdb_if_match_on_a_missing_document_is_a_conflict_as_at_the_store() 
     let stored = direct.send(Method::GET, "/db/absent", None, &[]).await.expect("read");
     assert_eq!(stored.status, 404, "nothing written: {:?}", stored.json);
 }
+
+/// Writes that land on a session's document by other means than its path, found from the
+/// outside against pouchdb-server: a virtual host set through `/_config` (it rewrites the
+/// paths of the sidecar's own write-backs), a `COPY` onto the document, a design document's
+/// update function or rewrite, a `_purge`, and the deletion of the database. Each is refused
+/// before it reaches the store, the document keeps its turn and messages, and reads, a
+/// database's creation and a login still pass.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn couchdb_writes_past_the_lock_by_other_means_than_the_path_are_refused() {
+    let Couch {
+        direct,
+        agent,
+        sidecar,
+        store,
+        ..
+    } = &couch(&couchdb_with_delete()).await;
+    let rev = written_rev(agent, direct, &json!({"turn": 5, "messages": [{"id": "five"}]})).await;
+    let r = direct
+        .send(
+            Method::PUT,
+            "/db/evil",
+            Some(&json!({"turn": 1, "messages": [{"id": "evil"}]})),
+            &[],
+        )
+        .await
+        .expect("a document beside it");
+    assert_eq!(r.status, 201, "{:?}", r.json);
+    let update = json!({"_id": "_design/u", "updates": {
+        "f": "function(doc, req) { doc.messages = []; doc.turn = 999999; return [doc, 'ok']; }"
+    }});
+    let r = direct
+        .send(Method::PUT, "/db/_design/u", Some(&update), &[])
+        .await
+        .expect("design");
+    assert_eq!(r.status, 201, "{:?}", r.json);
+    let vhost = format!(
+        "/_config/vhosts/{}",
+        store.url().trim_start_matches("http://").trim_end_matches('/')
+    );
+    let store_wide: [(&str, &str, Option<Value>); 8] = [
+        ("PUT", &vhost, Some(json!("/db"))),
+        ("PUT", "/_config/couchdb/max_document_size", Some(json!("1"))),
+        ("PUT", "/%5Fconfig/vhosts/x", Some(json!("/db"))),
+        ("POST", "/db/_design/u/_update/f/d", Some(json!({}))),
+        (
+            "PUT",
+            "/db/_design/u/_rewrite/d",
+            Some(json!({"turn": 0, "messages": []})),
+        ),
+        ("POST", "/db/_purge", Some(json!({"d": [rev.clone()]}))),
+        ("DELETE", "/db", None),
+        ("DELETE", "/db/", None),
+    ];
+    for (method, path, body) in &store_wide {
+        let method = Method::from_bytes(method.as_bytes()).expect("method");
+        let r = agent
+            .send(method.clone(), path, body.as_ref(), &[])
+            .await
+            .expect("send");
+        assert_eq!(r.status, 400, "{method} {path}: {:?}", r.json);
+        assert_eq!(
+            r.json["turnlock_error"],
+            json!("unlocked_write_refused"),
+            "{method} {path}: {:?}",
+            r.json
+        );
+    }
+    let copy = format!(
+        "COPY /db/evil HTTP/1.1\r\nhost: x\r\ndestination: d?rev={rev}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+    );
+    let answer = crate::support::send_raw(sidecar.addr, copy.as_bytes()).await;
+    assert!(
+        answer.starts_with("HTTP/1.1 400") && answer.contains("unlocked_write_refused"),
+        "COPY: {answer}"
+    );
+    let kept = direct.send(Method::GET, "/db/d", None, &[]).await.expect("read").json;
+    assert_eq!(kept["turn"], json!(5), "{kept}");
+    assert_eq!(message_ids(&kept), ["five"], "{kept}");
+    let config = direct
+        .send(Method::GET, "/_config/vhosts", None, &[])
+        .await
+        .expect("config");
+    assert_eq!(config.json, json!({}), "no virtual host was set: {:?}", config.json);
+    // Reads, a database's creation and a login pass.
+    let r = agent
+        .send(Method::GET, "/_config/vhosts", None, &[])
+        .await
+        .expect("read config");
+    assert_eq!(r.status, 200, "{:?}", r.json);
+    let r = agent.send(Method::PUT, "/other", None, &[]).await.expect("create");
+    assert!(r.status.is_success(), "{:?}", r.json);
+    let r = agent
+        .send(
+            Method::POST,
+            "/_session",
+            Some(&json!({"name": "n", "password": "p"})),
+            &[],
+        )
+        .await
+        .expect("login");
+    assert_ne!(r.status, 400, "a login is the store's to answer: {:?}", r.json);
+    assert!(r.json.get("turnlock_error").is_none(), "{:?}", r.json);
+    // The session is written on as before.
+    let r = agent
+        .send(
+            Method::PUT,
+            "/db/d",
+            Some(&json!({"turn": 6, "messages": [{"id": "six"}]})),
+            &[],
+        )
+        .await
+        .expect("write");
+    assert_eq!(r.status, 201, "{:?}", r.json);
+}
+
+/// A session delete sends the store its `?rev=` and no other parameter: pouchdb-server reads
+/// any other as a write option, and with `new_edits=` (empty) answered 200 to a delete it did
+/// not make.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn couchdb_a_session_delete_sends_the_store_its_rev_alone() {
+    let Couch { direct, agent, .. } = &couch(&couchdb_with_delete()).await;
+    let rev = written_rev(agent, direct, &json!({"turn": 5, "messages": [{"id": "five"}]})).await;
+    let r = agent
+        .send(
+            Method::DELETE,
+            &format!("/db/d?new_edits=&r%65v={rev}&batch=ok"),
+            None,
+            &[],
+        )
+        .await
+        .expect("delete");
+    assert_eq!(r.status, 200, "{:?}", r.json);
+    assert_eq!(r.json["ok"], json!(true), "CouchDB's answer to a delete: {:?}", r.json);
+    let gone = direct.send(Method::GET, "/db/d", None, &[]).await.expect("read");
+    assert_eq!(gone.status, 404, "deleted: {:?}", gone.json);
+}

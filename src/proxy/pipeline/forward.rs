@@ -247,7 +247,12 @@ fn is_conditional(headers: &HeaderMap) -> bool {
 /// The store's request for an agent's session delete: its query string and headers, under
 /// this grant's fence.
 fn delete_request(s: &Shared, lease: &Lease, path: &str, agent: &DeleteWrite) -> Result<Request<Body>, Answer> {
-    let uri = match &agent.query {
+    let query = agent
+        .query
+        .as_deref()
+        .map(|q| kept_query(q, agent.store.dialect.delete_query))
+        .filter(|q| !q.is_empty());
+    let uri = match query {
         Some(query) => s.upstream.uri(&format!("{path}?{query}")),
         None => s.upstream.uri(path),
     }
@@ -262,6 +267,25 @@ fn delete_request(s: &Shared, lease: &Lease, path: &str, agent: &DeleteWrite) ->
     *req.uri_mut() = uri;
     *req.headers_mut() = headers;
     Ok(req)
+}
+
+/// The parameters of `query` named in `kept` (names read decoded, as the store reads them),
+/// each as the client spelled it; all of them when `kept` is `None`.
+fn kept_query(query: &str, kept: Option<&[&str]>) -> String {
+    let Some(kept) = kept else {
+        return query.to_owned();
+    };
+    query
+        .split('&')
+        .filter(|pair| {
+            let name = pair.split('=').next().unwrap_or_default();
+            let name = percent_encoding::percent_decode_str(&name.replace('+', " "))
+                .decode_utf8_lossy()
+                .into_owned();
+            kept.contains(&name.as_str())
+        })
+        .collect::<Vec<_>>()
+        .join("&")
 }
 
 /// Why the store's answer to a request could not be passed on.
@@ -329,4 +353,17 @@ async fn store_answer(s: &Shared, kind: &'static str, conn: Reserved, req: Reque
     s.metrics
         .upstream_response(kind, result.as_ref().map_or(0, |answer| answer.status.as_u16()));
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::kept_query;
+
+    #[test]
+    fn a_delete_keeps_the_parameters_its_dialect_names_as_spelled() {
+        assert_eq!(kept_query("rev=1-a&new_edits=", Some(&["rev"])), "rev=1-a");
+        assert_eq!(kept_query("new_edits=&r%65v=2-b&batch=ok", Some(&["rev"])), "r%65v=2-b");
+        assert_eq!(kept_query("rev[0]=1-a&w=1", Some(&["rev"])), "");
+        assert_eq!(kept_query("a=1&b", None), "a=1&b");
+    }
 }
