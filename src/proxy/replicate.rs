@@ -101,7 +101,9 @@ pub fn unlocked_write(routes: &Routes, req: &Request<Body>) -> Option<(&'static 
     let path = percent_encoding::percent_decode_str(req.uri().path()).decode_utf8_lossy();
     let names: Vec<&str> = path.split('/').filter(|n| !n.is_empty()).collect();
     let first = *names.first()?;
-    if first.starts_with('_') {
+    // `__name__` is how pouchdb-server stores a database `name` (a route's path, read as the
+    // store reads it: `ambiguous_path` where it is a session's), not a server resource.
+    if first.starts_with('_') && !first.starts_with("__") {
         return (!SERVER_WRITES.contains(&first)).then_some((
             dialect,
             "a server-level write (its configuration, virtual hosts, …) can change where the store \

@@ -1460,3 +1460,41 @@ async fn couchdb_a_session_delete_sends_the_store_its_rev_alone() {
     let gone = direct.send(Method::GET, "/db/d", None, &[]).await.expect("read");
     assert_eq!(gone.status, 404, "deleted: {:?}", gone.json);
 }
+
+/// A copy that dropped turnlock's fields (no `version`) but kept the `_rev` it was read at
+/// is the client's whole document at that revision: written onto a later one, its stale
+/// fields would undo acknowledged writes. It is refused 409 `conflict`, as CouchDB refuses
+/// it; at the current revision it is written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn couchdb_a_copy_without_a_version_at_an_old_rev_is_a_conflict() {
+    let Couch { direct, agent, .. } = &couch(COUCHDB_ROUTES).await;
+    let first = json!({"turn": 1, "state": {"a": 1}, "messages": [{"id": "m1"}]});
+    written_rev(agent, direct, &first).await;
+    let mut a = agent.send(Method::GET, "/db/d", None, &[]).await.expect("read").json;
+    let mut careless = a.clone();
+    for field in ["version", "life", "session"] {
+        careless.as_object_mut().expect("a document").remove(field);
+    }
+    a["state"] = json!({"a": 2, "x": "A"});
+    let r = agent.send(Method::PUT, "/db/d", Some(&a), &[]).await.expect("A");
+    assert_eq!(r.status, 201, "{:?}", r.json);
+    careless["messages"]
+        .as_array_mut()
+        .expect("messages")
+        .push(json!({"id": "mB"}));
+    let r = agent.send(Method::PUT, "/db/d", Some(&careless), &[]).await.expect("B");
+    assert_eq!(r.status, 409, "{:?}", r.json);
+    assert_eq!(r.json["error"], json!("conflict"), "{:?}", r.json);
+    let stored = direct.send(Method::GET, "/db/d", None, &[]).await.expect("read").json;
+    assert_eq!(stored["state"], json!({"a": 2, "x": "A"}), "A's write kept: {stored}");
+    // Read again, at the current `_rev`: written.
+    careless["_rev"] = stored["_rev"].clone();
+    careless["state"] = stored["state"].clone();
+    let r = agent
+        .send(Method::PUT, "/db/d", Some(&careless), &[])
+        .await
+        .expect("B again");
+    assert_eq!(r.status, 201, "{:?}", r.json);
+    let stored = direct.send(Method::GET, "/db/d", None, &[]).await.expect("read").json;
+    assert_eq!(message_ids(&stored), ["m1", "mB"], "{stored}");
+}

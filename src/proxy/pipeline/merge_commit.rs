@@ -497,6 +497,31 @@ fn store_precondition<'a>(
         }
     }
     let Some(wanted) = &store.if_match else {
+        // A copy with no version of its own but the store's revision it was read at (CouchDB's
+        // `_rev`, kept by a client that drops turnlock's fields): its fields are taken as the
+        // client's, so it is written only onto that revision, as the store itself would write
+        // it; a later one is a conflict (else its stale fields would undo acknowledged writes).
+        if let (
+            Op::Put {
+                doc,
+                base_version: None,
+            },
+            VersionAt::BodyField(field),
+        ) = (op, store.dialect.version)
+        {
+            if let Some(rev) = doc.get(field).and_then(serde_json::Value::as_str) {
+                let Some(cur) = on else {
+                    return Err(MergeError::NothingToMatch);
+                };
+                let same = etag.is_some_and(|tag| store_fields::bare(tag.as_bytes()) == rev.as_bytes());
+                if !first || !same {
+                    return Err(MergeError::VersionMismatch {
+                        expected: None,
+                        current: merge::version_of(cur),
+                    });
+                }
+            }
+        }
         // A copy that names no version of its own has an unknown base: merged without
         // deletions (see `store_fields::without_deletions`).
         return Ok(match (op, on) {
