@@ -101,7 +101,7 @@ impl RedisLocks {
     }
 
     pub(super) async fn try_acquire(
-        &self,
+        self: &Arc<Self>,
         key: &str,
         fence_key: &str,
         token: &str,
@@ -146,7 +146,14 @@ impl RedisLocks {
                 }
             })
             .await
-            .map_err(backend)?;
+            .map_err(|e| {
+                // Unanswered in time, the acquire may still run (see `give_back_late`).
+                if e.is_timeout() {
+                    let (this, key, token, slot) = (self.clone(), key.to_owned(), token.to_owned(), slot.cloned());
+                    tokio::spawn(async move { this.give_back_late(&key, &token, slot.as_ref()).await });
+                }
+                backend(e)
+            })?;
         let granted = reply.first() == Some(&1);
         if let (Some(w), true) = (&self.replica_wait, granted) {
             self.wait_for_replicas(w, key, token, slot).await?;
@@ -216,6 +223,48 @@ impl RedisLocks {
         Err(LockError::Backend(format!(
             "lock grant not acknowledged by {replicas} replica(s) within {timeout_ms} ms (acknowledged: {acked})"
         )))
+    }
+
+    /// Gives back the grant a failed attempt may still make. Redis carries out a command it
+    /// had not answered when the wait for it ended (a stalled server) once it resumes: the
+    /// acquire then grants `token` the lock and the document's commit slot with nobody to
+    /// release them, and the session's writes wait a lease and a slot's life for them. Sent
+    /// as soon as Redis answers again (tried for as long as such a grant could still hold),
+    /// and once more a moment later: the late acquire may sit on another connection than the
+    /// release's, and run after it.
+    pub(super) async fn give_back_late(&self, key: &str, token: &str, slot: Option<&Scope>) {
+        const PAUSE: Duration = Duration::from_millis(300);
+        let slot = slot.map(|scope| SlotRelease {
+            scope: scope.clone(),
+            settled: Settled::Unchanged,
+            give_back: true,
+        });
+        let until = tokio::time::Instant::now() + self.settings.lease.max(self.settings.slot_ttl);
+        let mut answered = 0;
+        while answered < 2 && tokio::time::Instant::now() < until {
+            match self.release_again_or_lock(key, token, slot.as_ref()).await {
+                Ok(true) => {
+                    tracing::info!(%key, "a lock Redis granted after the attempt gave up on it was given back");
+                    return;
+                }
+                Ok(false) => answered += 1,
+                Err(e) => tracing::debug!(%key, error = %e, "a late grant not given back yet; trying again"),
+            }
+            tokio::time::sleep(PAUSE).await;
+        }
+    }
+
+    async fn release_again_or_lock(
+        &self,
+        key: &str,
+        token: &str,
+        slot: Option<&SlotRelease>,
+    ) -> Result<bool, LockError> {
+        let released = match slot {
+            Some(slot) => self.release_again(key, token, slot).await?,
+            None => self.release(key, token, &[], None).await?,
+        };
+        Ok(released.lock)
     }
 
     pub(super) fn watch(&self, key: &str) -> Wake {

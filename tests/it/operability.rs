@@ -1012,3 +1012,44 @@ async fn answers_of_the_http_parser_are_counted() {
     running.stop().await;
     s.stop().await;
 }
+
+/// Redis stalled (SIGSTOP) while a session's writes asked for its lock: the acquires it had
+/// not answered are carried out once it resumes, granting locks and commit slots that no
+/// writer is left to release. The sidecar gives them back, so the session is written again
+/// soon after Redis answers, not a lease and a slot's life (7 s) later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_written_during_a_redis_stall_is_written_again_soon_after_it_resumes() {
+    let store = store().await;
+    let redis = RedisServer::start();
+    let proxy = ProxyProc::spawn(&format!("http://{}", store.addr), Some(&redis.url()), &[]);
+    let client = proxy.client();
+    let ok = try_append(&client, "stall", 1, "m0", true, &[]).await.expect("write");
+    assert!(ok.status.is_success(), "{:?}", ok.json);
+    redis.signal("STOP");
+    for i in 0..4 {
+        let r = try_append(&client, "stall", 1, &format!("s{i}"), true, &[])
+            .await
+            .expect("answer");
+        assert_eq!(r.json["error"], "lock_unavailable", "{:?}", r.json);
+    }
+    redis.signal("CONT");
+    let resumed = Instant::now();
+    let short = [("x-wait-deadline-ms", "200".to_owned())];
+    let mut written = None;
+    for i in 0..100 {
+        let r = try_append(&client, "stall", 1, &format!("after-{i}"), true, &short)
+            .await
+            .expect("answer");
+        if r.status.is_success() {
+            written = Some(resumed.elapsed());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let took = written.expect("the session was never written again");
+    println!("session written again {took:?} after Redis resumed");
+    assert!(
+        took < Duration::from_secs(2),
+        "the session waited {took:?} for locks granted late"
+    );
+}
