@@ -198,6 +198,9 @@ pub enum MergeError {
     UnknownThrough { through: String },
     #[error("session not found")]
     NotFound,
+    /// `If-None-Match: *` on a document that exists.
+    #[error("the document exists (version {current}); If-None-Match: * writes only a new one")]
+    Exists { current: u64 },
     /// The store's precondition (`If-Match`) names a version of a document the store does
     /// not hold: S3 answers that 404, CouchDB 409 (a `_rev` of no document is a conflict).
     #[error("If-Match names a version of a document the store does not hold")]
@@ -214,7 +217,7 @@ impl MergeError {
             Self::StaleTurn { .. } => "stale_turn",
             Self::Conflict { .. } | Self::MessageConflict { .. } => "conflict",
             Self::BaseUnknown { .. } => "conflict",
-            Self::VersionMismatch { .. } => "version_mismatch",
+            Self::VersionMismatch { .. } | Self::Exists { .. } => "version_mismatch",
             Self::UnknownThrough { .. } => "unknown_message",
             Self::NotFound => "session_not_found",
             Self::NothingToMatch => "nothing_to_match",

@@ -226,7 +226,7 @@ fn refused(e: &MergeError) -> Answer {
         MergeError::Conflict { fields } => (StatusCode::CONFLICT, Some(json!({"fields": fields}))),
         MergeError::MessageConflict { ids } => (StatusCode::CONFLICT, Some(json!({"message_ids": ids}))),
         MergeError::BaseUnknown { base } => (StatusCode::CONFLICT, Some(json!({"base_version": base}))),
-        MergeError::VersionMismatch { current, .. } => (
+        MergeError::VersionMismatch { current, .. } | MergeError::Exists { current } => (
             StatusCode::PRECONDITION_FAILED,
             Some(json!({"current_version": current})),
         ),

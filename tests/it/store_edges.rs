@@ -324,6 +324,11 @@ async fn if_none_match_star_on_an_existing_document_is_refused_in_every_dialect(
         "{}",
         r.json
     );
+    let message = r.json["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("exists") && message.contains("If-None-Match"),
+        "{message}"
+    );
 
     // CouchDB: 409 conflict, as CouchDB refuses a create over a document.
     let couch = pouchdb_server();

@@ -490,8 +490,7 @@ fn store_precondition<'a>(
     let (op, store) = (&write.op, &write.store);
     if store.if_none_match && matches!(op, Op::Put { .. } | Op::Replace { .. }) {
         if let Some(cur) = on {
-            return Err(MergeError::VersionMismatch {
-                expected: None,
+            return Err(MergeError::Exists {
                 current: merge::version_of(cur),
             });
         }

@@ -43,10 +43,11 @@ pub(super) fn build_op(
                 .into_iter()
                 .find(|f| doc.contains_key(*f))
             {
-                return Err(bad(
-                    "forbidden_field",
-                    format!("a patch cannot set `{field}`; append messages with POST …/messages"),
-                ));
+                let how = match field {
+                    "messages" => "append messages with POST …/messages",
+                    _ => "turnlock maintains it",
+                };
+                return Err(bad("forbidden_field", format!("a patch cannot set `{field}`: {how}")));
             }
             Op::Patch { patch: doc }
         }
