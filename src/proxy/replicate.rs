@@ -81,6 +81,9 @@ const SERVER_WRITES: &[&str] = &["_session", "_users", "_global_changes", "_dbs_
 /// a path of the design document's choosing.
 const DESIGN_WRITES: &[&str] = &["_update", "_rewrite"];
 
+const REWRITE: &str = "a design document's update function or rewrite writes documents of its own choosing past \
+                       the lock";
+
 /// Why `req` is refused, when it would write a session's document past the lock by other
 /// means than its path: a `COPY` (its `Destination` header names the document written), a
 /// design document's update function or rewrite, `_purge` (drops revisions as given), the
@@ -96,6 +99,14 @@ pub fn unlocked_write(routes: &Routes, req: &Request<Body>) -> Option<(&'static 
             dialect,
             "a COPY writes the document its Destination names past the lock",
         ));
+    }
+    // pouchdb-server looks for a design document's rewrite anywhere in the request's target,
+    // its query included (`/x/db/_design/r/_rewrite/a`, `/db/_find?q=/db/_design/r/_rewrite/a`),
+    // ahead of every other route: wherever it is, the request is a rewrite's.
+    let target = req.uri().path_and_query().map_or("", |p| p.as_str());
+    let target = percent_encoding::percent_decode_str(target).decode_utf8_lossy();
+    if target.contains("/_design/") && target.contains("/_rewrite") {
+        return Some((dialect, REWRITE));
     }
     // Decoded before it is split: however its names are spelled, each is found.
     let path = percent_encoding::percent_decode_str(req.uri().path()).decode_utf8_lossy();
@@ -116,11 +127,7 @@ pub fn unlocked_write(routes: &Routes, req: &Request<Body>) -> Option<(&'static 
             "deleting a database deletes its sessions' documents out of order with their writes",
         )),
         [_, "_purge", ..] => Some((dialect, "a purge drops sessions' revisions past the lock")),
-        [_, "_design", _, handler, ..] if DESIGN_WRITES.contains(handler) => Some((
-            dialect,
-            "a design document's update function or rewrite writes documents of its own choosing past \
-             the lock",
-        )),
+        [_, "_design", _, handler, ..] if DESIGN_WRITES.contains(handler) => Some((dialect, REWRITE)),
         _ => None,
     }
 }

@@ -1356,9 +1356,12 @@ async fn couchdb_writes_past_the_lock_by_other_means_than_the_path_are_refused()
         .await
         .expect("a document beside it");
     assert_eq!(r.status, 201, "{:?}", r.json);
-    let update = json!({"_id": "_design/u", "updates": {
-        "f": "function(doc, req) { doc.messages = []; doc.turn = 999999; return [doc, 'ok']; }"
-    }});
+    let update = json!({"_id": "_design/u",
+        "updates": {
+            "f": "function(doc, req) { doc.messages = []; doc.turn = 999999; return [doc, 'ok']; }"
+        },
+        "rewrites": [{"from": "a", "to": "../../d"}, {"from": "u", "to": "_update/f/d"}]
+    });
     let r = direct
         .send(Method::PUT, "/db/_design/u", Some(&update), &[])
         .await
@@ -1368,7 +1371,8 @@ async fn couchdb_writes_past_the_lock_by_other_means_than_the_path_are_refused()
         "/_config/vhosts/{}",
         store.url().trim_start_matches("http://").trim_end_matches('/')
     );
-    let store_wide: [(&str, &str, Option<Value>); 8] = [
+    let hidden_in_query = format!("/db/_local/q?rev={rev}&q=/db/_design/u/_rewrite/a");
+    let store_wide: [(&str, &str, Option<Value>); 12] = [
         ("PUT", &vhost, Some(json!("/db"))),
         ("PUT", "/_config/couchdb/max_document_size", Some(json!("1"))),
         ("PUT", "/%5Fconfig/vhosts/x", Some(json!("/db"))),
@@ -1381,6 +1385,15 @@ async fn couchdb_writes_past_the_lock_by_other_means_than_the_path_are_refused()
         ("POST", "/db/_purge", Some(json!({"d": [rev.clone()]}))),
         ("DELETE", "/db", None),
         ("DELETE", "/db/", None),
+        // pouchdb-server finds a rewrite anywhere in the target: after a prefix, in the query.
+        ("PUT", "/x/db/_design/u/_rewrite/a", Some(json!({}))),
+        ("POST", "/db/_find?q=/db/_design/u/_rewrite/u", Some(json!({}))),
+        ("DELETE", &hidden_in_query, None),
+        (
+            "POST",
+            "/db/_find?q=%2Fdb%2F_design%2Fu%2F_rewrite%2Fu",
+            Some(json!({})),
+        ),
     ];
     for (method, path, body) in &store_wide {
         let method = Method::from_bytes(method.as_bytes()).expect("method");
@@ -1490,6 +1503,19 @@ async fn couchdb_a_copy_without_a_version_at_an_old_rev_is_a_conflict() {
     let r = agent.send(Method::PUT, "/db/d", Some(&careless), &[]).await.expect("B");
     assert_eq!(r.status, 409, "{:?}", r.json);
     assert_eq!(r.json["error"], json!("conflict"), "{:?}", r.json);
+    // The same copy naming its revision in the query, which the store takes for its `_rev`.
+    let mut by_query = careless.clone();
+    let old_rev = by_query
+        .as_object_mut()
+        .expect("a document")
+        .remove("_rev")
+        .expect("a _rev");
+    let path = format!("/db/d?rev={}", old_rev.as_str().expect("a string"));
+    let r = agent
+        .send(Method::PUT, &path, Some(&by_query), &[])
+        .await
+        .expect("B by query");
+    assert_eq!(r.status, 409, "{:?}", r.json);
     let stored = direct.send(Method::GET, "/db/d", None, &[]).await.expect("read").json;
     assert_eq!(stored["state"], json!({"a": 2, "x": "A"}), "A's write kept: {stored}");
     // Read again, at the current `_rev`: written.

@@ -9,7 +9,7 @@ use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 
 use crate::merge::{assign_ids, canonical, KeyedIds, Op};
-use crate::routes::{AnswerForm, Captures, Kind, Mode, Route, TurnSource};
+use crate::routes::{AnswerForm, Captures, Kind, Mode, Route, TurnSource, VersionAt};
 use crate::session::{resolve_turn, turn_from_header, turn_from_json, SessionId, TurnError};
 use crate::upstream::StoreParts;
 
@@ -337,6 +337,16 @@ pub async fn parse(
         Mode::Merge { kind, document } => {
             let mut doc = parse_object(&bytes)?;
             check_deletion(route.dialect, &doc)?;
+            // The revision a copy names in its query (CouchDB's `?rev=`), which the store takes
+            // when the body names none: the copy's base, as a `_rev` in its body is.
+            if let VersionAt::BodyField(field) = route.dialect.version {
+                let named = form_urlencoded::parse(parts.uri.query().unwrap_or_default().as_bytes())
+                    .find(|(name, _)| name == field.trim_start_matches('_'))
+                    .map(|(_, rev)| rev.into_owned());
+                if let (false, Some(rev)) = (doc.contains_key(field), named) {
+                    doc.insert(field.to_owned(), Value::String(rev));
+                }
+            }
             let body_turn = match &route.turn {
                 TurnSource::Body(pointer) if pointer == "/turn" => {
                     doc.remove("turn").map(|v| turn_from_json(&v)).transpose()
