@@ -110,7 +110,17 @@ pub fn unlocked_write(routes: &Routes, req: &Request<Body>) -> Option<(&'static 
     }
     // Decoded before it is split: however its names are spelled, each is found.
     let path = percent_encoding::percent_decode_str(req.uri().path()).decode_utf8_lossy();
-    let names: Vec<&str> = path.split('/').filter(|n| !n.is_empty()).collect();
+    // Dot segments resolved, as a store that resolves them reads the path.
+    let mut names: Vec<&str> = Vec::new();
+    for name in path.split('/') {
+        match name {
+            "" | "." => {}
+            ".." => {
+                names.pop();
+            }
+            name => names.push(name),
+        }
+    }
     let first = *names.first()?;
     // `__name__` is how pouchdb-server stores a database `name` (a route's path, read as the
     // store reads it: `ambiguous_path` where it is a session's), not a server resource.

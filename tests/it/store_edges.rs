@@ -1372,10 +1372,12 @@ async fn couchdb_writes_past_the_lock_by_other_means_than_the_path_are_refused()
         store.url().trim_start_matches("http://").trim_end_matches('/')
     );
     let hidden_in_query = format!("/db/_local/q?rev={rev}&q=/db/_design/u/_rewrite/a");
-    let store_wide: [(&str, &str, Option<Value>); 12] = [
+    let store_wide: [(&str, &str, Option<Value>); 14] = [
         ("PUT", &vhost, Some(json!("/db"))),
         ("PUT", "/_config/couchdb/max_document_size", Some(json!("1"))),
         ("PUT", "/%5Fconfig/vhosts/x", Some(json!("/db"))),
+        ("PUT", "/./_config/vhosts/x", Some(json!("/db"))),
+        ("PUT", "/x/%2E%2E/_config/vhosts/x", Some(json!("/db"))),
         ("POST", "/db/_design/u/_update/f/d", Some(json!({}))),
         (
             "PUT",
