@@ -13,7 +13,15 @@ use crate::redis_conn::RedisConn;
 
 #[derive(Debug, thiserror::Error)]
 #[error("record store unavailable: {0}")]
-pub struct RecordError(String);
+pub struct RecordError(String, bool);
+
+impl RecordError {
+    /// Redis did not answer in time: the command may still be carried out (a stalled server
+    /// runs what it had not answered once it resumes).
+    pub fn timed_out(&self) -> bool {
+        self.1
+    }
+}
 
 /// Compare-and-set (or compare-and-delete, with an empty value) of one record.
 const CAS: &str = r"
@@ -317,5 +325,5 @@ impl Records {
 }
 
 fn err(e: redis::RedisError) -> RecordError {
-    RecordError(e.to_string())
+    RecordError(e.to_string(), e.is_timeout())
 }

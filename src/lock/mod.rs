@@ -312,9 +312,11 @@ impl Locks {
         }
     }
 
-    /// Sends a failed release again in the background, on a Redis Cluster whose shard is
-    /// failing over: the commit slot reached the replica, and the document's next write would
-    /// otherwise wait until it lapses (the store timeout + a lease). Tried until the slot lapses
+    /// Sends a failed release again in the background: on a Redis Cluster whose shard is
+    /// failing over the commit slot reached the replica, and a Redis that stalled (`CLIENT
+    /// PAUSE`, a paused process) drops the release of a connection given up on while it
+    /// stalled; either way the document's next write would otherwise wait until the slot
+    /// lapses (the store timeout + a lease). Tried until the slot lapses
     /// by itself; safe to run late: it is sent as a re-sending (the turn mark changes only while
     /// the slot still holds this grant's token, and the slot goes only then), and the lock goes
     /// only while it still holds the token. A deletion's release is not sent again (a late one
@@ -322,7 +324,7 @@ impl Locks {
     /// they are settled on their own.
     fn release_later(&self, key: &str, token: &str, slot: &SlotRelease) {
         let Locks::Redis(r) = self else { return };
-        if matches!(slot.settled, Settled::Deleted) || !slot.give_back || !r.conn().is_cluster() {
+        if matches!(slot.settled, Settled::Deleted) || !slot.give_back {
             return;
         }
         let (r, key, token, slot) = (r.clone(), key.to_owned(), token.to_owned(), slot.clone());

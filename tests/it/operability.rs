@@ -1053,3 +1053,88 @@ async fn a_session_written_during_a_redis_stall_is_written_again_soon_after_it_r
         "the session waited {took:?} for locks granted late"
     );
 }
+
+/// An idempotent write whose claim Redis did not answer in time (stalled) is answered
+/// `lock_unavailable`, nothing applied; the claim Redis stores once it resumes is dropped
+/// again, so a retry with the same key is applied at once instead of answered
+/// `request_in_progress` for the claim's whole life (about two minutes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_after_a_redis_stall_is_not_held_by_a_claim_stored_late() {
+    let store = store().await;
+    let redis = RedisServer::start();
+    let proxy = ProxyProc::spawn(&format!("http://{}", store.addr), Some(&redis.url()), &[]);
+    let client = proxy.client();
+    let ok = try_append(&client, "claimed", 1, "m0", true, &[]).await.expect("write");
+    assert!(ok.status.is_success(), "{:?}", ok.json);
+    let key = [("idempotency-key", "stalled-claim".to_owned())];
+    redis.signal("STOP");
+    let r = try_append(&client, "claimed", 2, "k", true, &key)
+        .await
+        .expect("answer");
+    assert_eq!(r.status, 503, "{:?}", r.json);
+    redis.signal("CONT");
+    let resumed = Instant::now();
+    let mut applied = None;
+    for _ in 0..40 {
+        let r = try_append(&client, "claimed", 2, "k", true, &key)
+            .await
+            .expect("answer");
+        if r.status.is_success() {
+            applied = Some(resumed.elapsed());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let took = applied.expect("the retry was never applied");
+    println!("retry with the same key applied {took:?} after Redis resumed");
+    assert!(took < Duration::from_secs(3), "the retry waited {took:?}");
+}
+
+/// A lock release Redis drops (`CLIENT PAUSE`: a connection given up on while Redis is paused
+/// is closed with its command unrun) is sent again once Redis answers: the document's commit
+/// slot goes back then, not after its whole life (7 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_redis_dropped_while_paused_is_sent_again() {
+    let store = store().await;
+    let relay = Relay::start(store.addr).await;
+    let redis = RedisServer::start();
+    let proxy = ProxyProc::spawn(&relay.url("http"), Some(&redis.url()), &[]);
+    let client = proxy.client();
+    let ok = try_append(&client, "paused", 1, "m0", true, &[]).await.expect("write");
+    assert!(ok.status.is_success(), "{:?}", ok.json);
+    relay.on_put(OnPut::Hold);
+    let writer = {
+        let client = client.clone();
+        tokio::spawn(async move { try_append(&client, "paused", 2, "m1", true, &[]).await })
+    };
+    assert!(
+        relay.wait_held(1, Duration::from_secs(10)).await,
+        "the write-back did not come"
+    );
+    relay.on_put(OnPut::Pass);
+    redis.cmd(&["CLIENT", "PAUSE", "2000", "ALL"]);
+    let paused = Instant::now();
+    relay.release_held();
+    let r = writer.await.expect("writer").expect("answer");
+    assert!(r.status.is_success(), "{:?}", r.json);
+    tokio::time::sleep(Duration::from_millis(2000).saturating_sub(paused.elapsed())).await;
+    let resumed = Instant::now();
+    let short = [("x-wait-deadline-ms", "200".to_owned())];
+    let mut written = None;
+    for i in 0..100 {
+        let r = try_append(&client, "paused", 3, &format!("after-{i}"), true, &short)
+            .await
+            .expect("answer");
+        if r.status.is_success() {
+            written = Some(resumed.elapsed());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let took = written.expect("the session was never written again");
+    println!("session written again {took:?} after the pause ended");
+    assert!(
+        took < Duration::from_secs(2),
+        "the session waited {took:?} for a dropped release"
+    );
+}

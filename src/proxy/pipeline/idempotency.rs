@@ -71,6 +71,33 @@ pub(super) fn settle_later(s: &Arc<Shared>, entries: Vec<Entry>, error: String) 
     });
 }
 
+/// Drops the claim a request that was answered "nothing applied" may still have stored: a
+/// stalled Redis carries out the claim it had not answered in time once it resumes, and the
+/// key would answer `request_in_progress` to every retry for the claim's whole life. Dropped
+/// (only while it holds this claim) as soon as Redis answers again, and once more a moment
+/// later: the late claim may run after the first drop, on another connection.
+fn drop_late_claim(s: &Arc<Shared>, key: &str, claim: Bytes) {
+    let entry = Entry {
+        key: key.to_owned(),
+        value: Bytes::new(),
+        ttl: s.settings.idempotency_ttl,
+        expect: Some(claim),
+        refresh: false,
+    };
+    let (shared, until) = (s.clone(), Instant::now() + s.claim_ttl());
+    tokio::spawn(async move {
+        let mut answered = 0;
+        let mut pause = Duration::from_millis(100);
+        while answered < 2 && Instant::now() + pause < until {
+            tokio::time::sleep(pause).await;
+            match shared.records.put_entries(vec![entry.clone()]).await {
+                Ok(()) => answered += 1,
+                Err(_) => pause = (pause * 2).min(Duration::from_millis(400)),
+            }
+        }
+    });
+}
+
 impl Pipeline {
     /// Claims an idempotency key (returning the claim stored), or answers from its record.
     ///
@@ -86,7 +113,12 @@ impl Pipeline {
                 Err(_) if s.locks.waits_out_failovers() && Instant::now() + super::FAILOVER_PAUSE < deadline => {
                     tokio::time::sleep(super::FAILOVER_PAUSE).await;
                 }
-                Err(e) => return Claim::Answered(Answer::from(WriteError::LockUnavailable(e.to_string()))),
+                Err(e) => {
+                    if e.timed_out() {
+                        drop_late_claim(s, key, claim);
+                    }
+                    return Claim::Answered(Answer::from(WriteError::LockUnavailable(e.to_string())));
+                }
                 Ok(None) => return Claim::Held(claim),
                 // A try whose answer was lost stored it: the claim is this request's own.
                 Ok(Some(bytes)) if bytes == claim => return Claim::Held(claim),
