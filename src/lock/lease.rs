@@ -118,7 +118,7 @@ impl Lease {
         self.locks.held().remove(&self.key);
         match result {
             Ok(released) => {
-                if let (false, Some(slot)) = (released.slot, &slot) {
+                if let (false, Some(slot)) = (released.slot, slot.as_ref().filter(|s| s.surely_held)) {
                     tracing::error!(
                         slot = %slot.scope.slot(),
                         "the write-back outlived its commit slot: a write of another turn may have been ordered before it landed"

@@ -107,6 +107,9 @@ pub struct SlotRelease {
     /// Whether the slot is given back; `false` leaves it to expire by itself (a write whose
     /// outcome is unknown may still land, and no commit is ordered after it until then).
     pub give_back: bool,
+    /// The slot was taken (`false`: a take that Redis did not answer, which may or may not
+    /// have run; not finding it held then is no overrun).
+    pub surely_held: bool,
 }
 
 /// What a release found.

@@ -216,6 +216,7 @@ impl RedisLocks {
             scope: scope.clone(),
             settled: Settled::Unchanged,
             give_back: true,
+            surely_held: false,
         });
         if let Err(e) = self.release(key, token, &[], slot.as_ref()).await {
             tracing::warn!(%key, error = %e, "unacknowledged grant not given back; it expires with its lease");
@@ -238,6 +239,7 @@ impl RedisLocks {
             scope: scope.clone(),
             settled: Settled::Unchanged,
             give_back: true,
+            surely_held: false,
         });
         let until = tokio::time::Instant::now() + self.settings.lease.max(self.settings.slot_ttl);
         let mut answered = 0;

@@ -26,6 +26,10 @@ pub(super) struct SlotHold {
     settled: Settled,
     /// A write's outcome is unknown: the slot is left to expire by itself at the release.
     abandoned: bool,
+    /// A take Redis did not answer: it may still run (a stalled Redis carries out what it
+    /// had not answered once it resumes) and give this writer the slot, so the release gives
+    /// it back if it holds it.
+    maybe_taken: bool,
 }
 
 impl SlotHold {
@@ -42,6 +46,7 @@ impl SlotHold {
             taken: since.is_some(),
             settled: Settled::Unchanged,
             abandoned: false,
+            maybe_taken: false,
         }
     }
 
@@ -76,8 +81,14 @@ impl SlotHold {
                 }
                 // Nothing was written: on a cluster failing over, the write is queued again
                 // (as after another turn's commit) to wait for the new primary.
-                Err(_) if s.locks.waits_out_failovers() => return Err(Answer::from(WriteError::CommitInFlight)),
-                Err(e) => return Err(Answer::from(WriteError::LockUnavailable(e.to_string()))),
+                Err(_) if s.locks.waits_out_failovers() => {
+                    self.maybe_taken = true;
+                    return Err(Answer::from(WriteError::CommitInFlight));
+                }
+                Err(e) => {
+                    self.maybe_taken = true;
+                    return Err(Answer::from(WriteError::LockUnavailable(e.to_string())));
+                }
             }
         }
     }
@@ -113,10 +124,11 @@ impl SlotHold {
 
     /// What the lock's release does with the slot: `None` when it was never taken.
     pub(super) fn into_release(self) -> Option<SlotRelease> {
-        self.taken.then_some(SlotRelease {
+        (self.taken || self.maybe_taken).then_some(SlotRelease {
             scope: self.scope,
             settled: self.settled,
             give_back: !self.abandoned,
+            surely_held: self.taken,
         })
     }
 }
