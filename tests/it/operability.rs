@@ -1033,20 +1033,7 @@ async fn a_session_written_during_a_redis_stall_is_written_again_soon_after_it_r
         assert_eq!(r.json["error"], "lock_unavailable", "{:?}", r.json);
     }
     redis.signal("CONT");
-    let resumed = Instant::now();
-    let short = [("x-wait-deadline-ms", "200".to_owned())];
-    let mut written = None;
-    for i in 0..100 {
-        let r = try_append(&client, "stall", 1, &format!("after-{i}"), true, &short)
-            .await
-            .expect("answer");
-        if r.status.is_success() {
-            written = Some(resumed.elapsed());
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let took = written.expect("the session was never written again");
+    let took = first_write_from(&client, "stall", 1).await;
     println!("session written again {took:?} after Redis resumed");
     assert!(
         took < Duration::from_secs(2),
@@ -1118,23 +1105,27 @@ async fn a_release_redis_dropped_while_paused_is_sent_again() {
     let r = writer.await.expect("writer").expect("answer");
     assert!(r.status.is_success(), "{:?}", r.json);
     tokio::time::sleep(Duration::from_millis(2000).saturating_sub(paused.elapsed())).await;
-    let resumed = Instant::now();
-    let short = [("x-wait-deadline-ms", "200".to_owned())];
-    let mut written = None;
-    for i in 0..100 {
-        let r = try_append(&client, "paused", 3, &format!("after-{i}"), true, &short)
-            .await
-            .expect("answer");
-        if r.status.is_success() {
-            written = Some(resumed.elapsed());
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let took = written.expect("the session was never written again");
+    let took = first_write_from(&client, "paused", 3).await;
     println!("session written again {took:?} after the pause ended");
     assert!(
         took < Duration::from_secs(2),
         "the session waited {took:?} for a dropped release"
     );
+}
+
+/// How long after now `session` is first written again (one-message appends at `turn`,
+/// each waiting at most 200 ms for its turn, 50 ms apart, at most 100 of them).
+async fn first_write_from(client: &JsonClient, session: &str, turn: u64) -> Duration {
+    let started = Instant::now();
+    let short = [("x-wait-deadline-ms", "200".to_owned())];
+    for i in 0..100 {
+        let r = try_append(client, session, turn, &format!("after-{i}"), true, &short)
+            .await
+            .expect("answer");
+        if r.status.is_success() {
+            return started.elapsed();
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("the session was never written again");
 }
