@@ -103,6 +103,9 @@ pub struct PassRow {
     /// A proxy on one worker thread (`--worker-threads 1`), as nginx runs one worker.
     pub wrk_proxy_one_thread: Option<WrkRun>,
     pub wrk_nginx: Option<WrkRun>,
+    /// `examples/hyper_floor`, when built: hyper with no work on the request, the least a
+    /// proxy built on hyper costs (a reference, not a target).
+    pub wrk_floor: Option<WrkRun>,
 }
 
 /// Appends, each writer on its own sessions: through a proxy, and as a plain GET-modify-PUT
@@ -467,6 +470,7 @@ pub fn table(r: &Report) -> String {
         ]
         .into_iter()
         .chain(nginx)
+        .chain(p.wrk_floor.as_ref().map(|_| ("hyper-floor", None, &p.wrk_floor)))
         {
             let own = match st {
                 Some(st) => format!(
@@ -487,6 +491,22 @@ pub fn table(r: &Report) -> String {
             };
             let _ = writeln!(s, "{:>5} {:<11} {own} | {wrk}", p.concurrency, name);
         }
+    }
+    // The reference for the nginx rows: what a proxy built on hyper costs with no work at all.
+    let floor: Vec<String> = r
+        .passthrough
+        .iter()
+        .filter_map(|p| match (&p.wrk_floor, &p.wrk_nginx) {
+            (Some(f), Some(n)) => Some(format!("{:.2}x at {}", f.per_sec / n.per_sec.max(1e-9), p.concurrency)),
+            _ => None,
+        })
+        .collect();
+    if !floor.is_empty() {
+        let _ = writeln!(
+            s,
+            "hyper-floor (examples/hyper_floor: hyper with no work on the request) against nginx: {}",
+            floor.join(", ")
+        );
     }
     let _ = writeln!(
         s,

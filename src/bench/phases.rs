@@ -151,6 +151,13 @@ impl Rig {
         // A proxy on one worker thread beside the default one: nginx runs one worker.
         let one_thread = procs::proxy(&self.exe, self.proxies.len(), self.store.addr, self.redis.addr, Some(1)).await?;
         let one_thread_url = format!("http://{}{path}", one_thread.addr);
+        // The reference: hyper with no work on the request, when built.
+        let floor = if wrk_installed {
+            procs::hyper_floor(&self.exe, self.store.addr).await?
+        } else {
+            None
+        };
+        let floor_url = floor.as_ref().map(|f| format!("http://{}{path}", f.addr));
         let mut rows = Vec::new();
         for &c in &plan.pass_levels {
             let direct_url = format!("{}{path}", self.store_url());
@@ -162,19 +169,24 @@ impl Rig {
                 Some(url) => Some(get_loop(plan, c, url).await),
                 None => None,
             };
-            let (mut wrk_direct, mut wrk_proxy, mut wrk_one_thread, mut wrk_nginx) = (None, None, None, None);
+            let (mut wrk_direct, mut wrk_proxy, mut wrk_one_thread, mut wrk_nginx, mut wrk_floor) =
+                (None, None, None, None, None);
             if wrk_installed {
                 let store_cpu = || self.store.cpu_time();
                 wrk_direct = ok_or_warn(super::wrk::run(wrk, &direct_url, c, plan.measure, Some(&store_cpu)).await);
                 let proxy_cpu = || self.proxies[0].cpu_time();
                 let one_thread_cpu = || one_thread.cpu_time();
                 let nginx_cpu = || nginx.as_ref().and_then(procs::Child::tree_cpu_time);
+                let floor_cpu = || floor.as_ref().and_then(procs::Child::cpu_time);
                 let urls: Vec<(&str, Option<super::wrk::CpuClock<'_>>)> = [
                     Some((proxy_url.as_str(), Some(&proxy_cpu as super::wrk::CpuClock<'_>))),
                     Some((one_thread_url.as_str(), Some(&one_thread_cpu))),
                     nginx_url
                         .as_deref()
                         .map(|url| (url, Some(&nginx_cpu as super::wrk::CpuClock<'_>))),
+                    floor_url
+                        .as_deref()
+                        .map(|url| (url, Some(&floor_cpu as super::wrk::CpuClock<'_>))),
                 ]
                 .into_iter()
                 .flatten()
@@ -184,7 +196,12 @@ impl Rig {
                     .into_iter();
                 wrk_proxy = runs.next().and_then(ok_or_warn);
                 wrk_one_thread = runs.next().and_then(ok_or_warn);
-                wrk_nginx = runs.next().and_then(ok_or_warn);
+                if nginx_url.is_some() {
+                    wrk_nginx = runs.next().and_then(ok_or_warn);
+                }
+                if floor_url.is_some() {
+                    wrk_floor = runs.next().and_then(ok_or_warn);
+                }
             }
             rows.push(PassRow {
                 concurrency: c,
@@ -195,6 +212,7 @@ impl Rig {
                 wrk_proxy,
                 wrk_proxy_one_thread: wrk_one_thread,
                 wrk_nginx,
+                wrk_floor,
             });
         }
         Ok(rows)

@@ -225,6 +225,21 @@ pub async fn proxy(
     Ok(child)
 }
 
+/// Starts `examples/hyper_floor` (the least a proxy built on hyper does per request: see its
+/// source) in front of `store`, when it was built beside `exe`
+/// (`cargo build --release --example hyper_floor`); `None` when it was not.
+pub async fn hyper_floor(exe: &Path, store: SocketAddr) -> Result<Option<Child>, BenchError> {
+    let Some(program) = exe.parent().map(|dir| dir.join("examples").join("hyper_floor")) else {
+        return Ok(None);
+    };
+    if !program.is_file() {
+        return Ok(None);
+    }
+    let addr = free_addr()?;
+    let args = vec![addr.to_string(), store.to_string()];
+    Child::spawn("hyper floor", &program, &args, addr).await.map(Some)
+}
+
 /// The nginx to run: `program` when it runs, else `/usr/sbin/nginx` (Debian's, often not on
 /// a user's `PATH`); `None` when neither does.
 pub fn nginx_program(program: &str) -> Option<String> {
